@@ -1,0 +1,94 @@
+"""Bit packing and index coding shared by the codecs.
+
+Packing runs where the tensor lives: on the CPU it uses numpy's ``packbits`` (the byte-packing
+edge, ~50x faster than the equivalent torch ops there); on a GPU it uses torch shifts so that only
+the packed bytes are copied to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+
+
+def packed_nbytes(count: int, width: int) -> int:
+    """Bytes used by ``count`` codes of ``width`` bits packed as bit planes."""
+    return width * ((count + 7) // 8)
+
+
+def _pack_plane(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a flat tensor of 0/1 uint8 values, 8 to a byte, most significant bit first."""
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.packbits(bits.numpy()))
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    return (bits.view(-1, 8) << _SHIFTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_plane(packed: torch.Tensor, count: int) -> torch.Tensor:
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=count))
+    bits = (packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 1
+    return bits.view(-1)[:count]
+
+
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack unsigned integer codes of ``width`` bits into bytes.
+
+    1. Split the codes into ``width`` bit planes (plane j holds bit j of every code).
+    2. Pack each plane 8 codes to a byte and concatenate the planes.
+
+    Bit planes make every width from 1 to 8 cost exactly ``width`` bits per code.
+    """
+    if not 1 <= width <= 8:
+        raise ValueError(f"bit width must be in 1..8, got {width}")
+    codes = codes.reshape(-1).to(torch.uint8)
+    if width == 1:
+        return _pack_plane(codes)
+    return torch.cat([_pack_plane((codes >> j) & 1) for j in range(width)])
+
+
+def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``count`` codes as a uint8 tensor."""
+    plane = (count + 7) // 8
+    if packed.numel() != width * plane:
+        raise ValueError(f"expected {width * plane} packed bytes for {count} codes, got {packed.numel()}")
+    if width == 1:
+        return _unpack_plane(packed, count)
+    codes = torch.zeros(count, dtype=torch.uint8, device=packed.device)
+    for j in range(width):
+        codes |= _unpack_plane(packed[j * plane : (j + 1) * plane], count) << j
+    return codes
+
+
+def delta_encode(sorted_indices: torch.Tensor) -> torch.Tensor:
+    """Sorted indices -> int32 gaps (first entry absolute); small gaps compress well with blosc."""
+    idx = sorted_indices.to(torch.int64)
+    if idx.numel() == 0:
+        return torch.empty(0, dtype=torch.int32, device=idx.device)
+    return torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)
+
+
+def delta_decode(gaps: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`delta_encode`: int64 indices."""
+    return torch.cumsum(gaps.to(torch.int64), 0)
+
+
+def check_gaps(gaps: torch.Tensor, numel: int) -> None:
+    """Raise ValueError unless ``gaps`` decode to strictly increasing indices in [0, numel)."""
+    if gaps.numel() == 0:
+        return
+    if int(gaps[0]) < 0 or (gaps.numel() > 1 and int(gaps[1:].min()) <= 0):
+        raise ValueError("index gaps must give strictly increasing indices")
+    if int(gaps.to(torch.int64).sum()) >= numel:
+        raise ValueError(f"index beyond the tensor's {numel} elements")
+
+
+def generator(seed: int, device: torch.device) -> torch.Generator:
+    """A private generator, so codecs never touch the global RNG."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen

@@ -1,0 +1,36 @@
+"""sign+norm: one bit per element and one scale."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _bits
+from .base import Codec, Message, register
+
+
+@register
+class SignCodec(Codec):
+    """Scaled sign (as CHOCO-SGD's ``sign+norm``).
+
+    1. scale = mean |g| (so the decoded tensor has the same L1 norm as g).
+    2. Send sign bits (1 = negative) packed 8 per byte, and the scale as one fp32.
+    3. Decode: scale * (+1 or -1).
+    """
+
+    name = "sign"
+
+    def _encode(self, flat, shape, seed):
+        scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
+        return {"scale": scale.reshape(1).float(), "signs": _bits.pack_bits(flat < 0, 1)}
+
+    def _decode(self, msg: Message, device):
+        signs = _bits.unpack_bits(msg.arrays["signs"].to(device), msg.numel, 1).float()
+        return (1.0 - 2.0 * signs).mul_(msg.arrays["scale"].to(device))
+
+    def _expected(self, msg):
+        return {"scale": (torch.float32, (1,)), "signs": (torch.uint8, (_bits.packed_nbytes(msg.numel, 1),))}
+
+    def max_payload_bytes(self, shape):
+        return 4 + _bits.packed_nbytes(math.prod(shape), 1)

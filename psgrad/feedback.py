@@ -1,0 +1,157 @@
+"""Memories that wrap any codec: plain pass-through, error feedback, and DGC.
+
+All three share one interface, ``encode(layer, grad, seed) -> Message``, so the worker does not
+care which is in use. Their state is a flat ``{str: Tensor}`` map that ``torch.save`` /
+``torch.load(weights_only=True)`` handle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codecs import Codec, Message, make_codec
+
+
+class NoFeedback:
+    """Encode each gradient as it is."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
+        return self.codec.encode(grad, seed=seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Hook for schedules that change with the epoch (DGC warm-up)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError("no-feedback memory has no state to load")
+
+
+class ErrorFeedback(NoFeedback):
+    """Residual memory (EF-SGD).
+
+    1. g' = g + e[layer]   (e starts at zero)
+    2. send C(g')
+    3. e[layer] = g' - D(C(g'))   so nothing the codec dropped is lost, only delayed.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        super().__init__(codec)
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
+        corrected = grad.detach().float()
+        if layer in self.residuals:
+            corrected = corrected + self.residuals[layer]
+        msg = self.codec.encode(corrected, seed=seed)
+        residual = corrected.clone()
+        self.codec.decode_add(msg, residual, alpha=-1.0)
+        self.residuals[layer] = residual
+        return msg
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"residual/{k}": v for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {k.removeprefix("residual/"): v.clone() for k, v in state.items()}
+
+
+def dgc_sparsity(epoch: int, warmup_epochs: int, final: float = 0.999) -> float:
+    """DGC's exponential warm-up: 75 %, 93.75 %, 98.4 %, 99.6 %, ... then ``final``."""
+    if epoch >= warmup_epochs:
+        return final
+    return min(final, 1.0 - 0.25 ** (epoch + 1))
+
+
+class DGCMemory(NoFeedback):
+    """Deep Gradient Compression's worker-side memory around any codec.
+
+    1. Local gradient clipping: scale g so that ||g|| <= ``clip_norm`` (when given).
+    2. Momentum correction: u = m u + g; v = v + u  (Nesterov: u = m (u + g); v = v + u + g).
+    3. Send C(v); v = v - D(C(v)).
+    4. Momentum-factor masking: where D(C(v)) is non-zero, zero u and v (stale momentum would
+       otherwise keep pushing coordinates that were just applied).
+    With ``warmup_epochs`` > 0 and a codec that has a ``ratio``, ``set_epoch`` raises the sparsity
+    along :func:`dgc_sparsity`. The server should then run plain SGD: momentum lives here.
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        clip_norm: float | None = None,
+        masking: bool = True,
+        warmup_epochs: int = 0,
+    ) -> None:
+        super().__init__(codec)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"DGC momentum must be in [0, 1), got {momentum}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"DGC clip_norm must be > 0, got {clip_norm}")
+        self.base_codec = codec
+        self.momentum, self.nesterov, self.clip_norm, self.masking = momentum, nesterov, clip_norm, masking
+        self.warmup_epochs = warmup_epochs
+        self.momentums: dict[str, torch.Tensor] = {}
+        self.velocities: dict[str, torch.Tensor] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.warmup_epochs <= 0 or "ratio" not in self.base_codec.params:
+            return
+        final = 1.0 - float(self.base_codec.params["ratio"])
+        ratio = 1.0 - dgc_sparsity(epoch, self.warmup_epochs, final)
+        self.codec = make_codec(self.base_codec.name, **{**self.base_codec.params, "ratio": ratio})
+
+    def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
+        g = grad.detach().float()
+        if self.clip_norm is not None:
+            norm = float(torch.linalg.vector_norm(g))
+            if norm > self.clip_norm and math.isfinite(norm):
+                g = g * (self.clip_norm / norm)
+        u = self.momentums.setdefault(layer, torch.zeros_like(g))
+        v = self.velocities.setdefault(layer, torch.zeros_like(g))
+        if self.nesterov:
+            u.add_(g).mul_(self.momentum)
+            v.add_(u).add_(g)
+        else:
+            u.mul_(self.momentum).add_(g)
+            v.add_(u)
+        msg = self.codec.encode(v, seed=seed)
+        sent = torch.zeros_like(v)
+        self.codec.decode_add(msg, sent)
+        v.sub_(sent)
+        if self.masking:
+            keep = sent == 0
+            u.mul_(keep)
+            v.mul_(keep)
+        return msg
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"momentum/{k}": t for k, t in self.momentums.items()}
+        state.update({f"velocity/{k}": t for k, t in self.velocities.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.momentums = {k.removeprefix("momentum/"): t.clone() for k, t in state.items() if k.startswith("momentum/")}
+        self.velocities = {k.removeprefix("velocity/"): t.clone() for k, t in state.items() if k.startswith("velocity/")}
+
+
+FEEDBACKS = ("none", "ef", "dgc")
+
+
+def make_feedback(kind: str, codec: Codec, **options: float) -> NoFeedback:
+    """``none`` | ``ef`` (error feedback) | ``dgc`` (options: momentum, nesterov, clip_norm, ...)."""
+    if kind == "none":
+        return NoFeedback(codec)
+    if kind == "ef":
+        return ErrorFeedback(codec)
+    if kind == "dgc":
+        return DGCMemory(codec, **options)
+    raise ValueError(f"unknown feedback {kind!r}; choose one of {', '.join(FEEDBACKS)}")

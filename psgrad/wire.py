@@ -1,0 +1,218 @@
+"""Message <-> bytes: one msgpack map per message, blosc on the arrays where it pays.
+
+docs/protocol.md is the byte-level specification. ``loads`` trusts nothing: every field is type-
+and range-checked, array lengths must equal shape x itemsize, blosc headers are validated before
+anything is decompressed, and the codec checks its own arrays (index ranges, counts). Any
+malformed input raises ``WireError``; memory use is bounded by ``max_bytes``. Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import blosc
+import msgpack
+import numpy as np
+import torch
+
+from .codecs import Message, make_codec
+from .codecs.base import GRAD_DTYPES
+
+FORMAT_VERSION = 1
+KINDS = ("grad", "params", "control", "buffers")
+ARRAY_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    "uint8": (np.dtype("<u1"), torch.uint8),
+    "int32": (np.dtype("<i4"), torch.int32),
+    "int64": (np.dtype("<i8"), torch.int64),
+    "float16": (np.dtype("<f2"), torch.float16),
+    "float32": (np.dtype("<f4"), torch.float32),
+}
+_TORCH_TO_NAME = {tdt: name for name, (_, tdt) in ARRAY_DTYPES.items()}
+MAX_MESSAGE_BYTES = 1 << 31
+MAX_NDIM = 8
+MAX_ELEMENTS = 1 << 31
+BLOSC_MIN_BYTES = 256  # below this blosc's 16-byte header eats the gain
+BLOSC_MIN_SAVING = 0.9  # keep the compressed form only if it is at most 90 % of the raw bytes
+_HEADER_KEYS = {"v", "kind", "step", "layer", "sender", "codec", "params", "shape", "dtype", "seed", "meta", "arrays"}
+_ARRAY_KEYS = {"d", "s", "z", "b"}
+
+# Ranks already share two cores; blosc's own thread pool would fight them.
+blosc.set_nthreads(1)
+
+
+class WireError(ValueError):
+    """A buffer that is not a valid psgrad message; the text says what was wrong."""
+
+
+# ---------------------------------------------------------------------------- dumps
+def _pack_array(arr: torch.Tensor, compress: bool) -> dict[str, Any]:
+    if arr.dtype not in _TORCH_TO_NAME:
+        raise TypeError(f"array dtype {arr.dtype} cannot go on the wire")
+    raw = arr.detach().contiguous().cpu().numpy().tobytes()
+    packed, zipped = raw, 0
+    if compress and len(raw) >= BLOSC_MIN_BYTES:
+        candidate = blosc.compress(raw, typesize=arr.element_size(), cname="lz4", shuffle=blosc.SHUFFLE)
+        if len(candidate) <= BLOSC_MIN_SAVING * len(raw):
+            packed, zipped = candidate, 1
+    return {"d": _TORCH_TO_NAME[arr.dtype], "s": list(arr.shape), "z": zipped, "b": packed}
+
+
+def dumps(msg: Message, compress: str = "auto") -> bytes:
+    """Serialize ``msg``. ``compress``: ``auto`` (blosc on the codec's compressible arrays when it
+    saves >= 10 %), ``always`` (try every array) or ``never``."""
+    if compress not in ("auto", "always", "never"):
+        raise ValueError(f"compress must be auto, always or never, got {compress!r}")
+    if msg.kind not in KINDS:
+        raise ValueError(f"message kind must be one of {KINDS}, got {msg.kind!r}")
+    zippable: frozenset[str] | None = None
+    if compress == "auto" and msg.arrays:
+        zippable = make_codec(msg.codec, **msg.params).compressible
+    header = {
+        "v": FORMAT_VERSION,
+        "kind": msg.kind,
+        "step": int(msg.step),
+        "layer": msg.layer,
+        "sender": int(msg.sender),
+        "codec": msg.codec,
+        "params": dict(msg.params),
+        "shape": [int(d) for d in msg.shape],
+        "dtype": msg.dtype,
+        "seed": int(msg.seed),
+        "meta": dict(msg.meta),
+        "arrays": {
+            name: _pack_array(arr, compress == "always" or (zippable is not None and name in zippable))
+            for name, arr in msg.arrays.items()
+        },
+    }
+    return msgpack.packb(header, use_bin_type=True)
+
+
+# ---------------------------------------------------------------------------- loads
+def _fail(what: str) -> None:
+    raise WireError(what)
+
+
+def _check_int(value: Any, name: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        _fail(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _check_str(value: Any, name: str, limit: int = 256) -> str:
+    if type(value) is not str or len(value) > limit:
+        _fail(f"{name} must be a string of at most {limit} characters, got {type(value).__name__}")
+    return value
+
+
+def _check_scalars(value: Any, name: str) -> dict[str, Any]:
+    if type(value) is not dict or len(value) > 64:
+        _fail(f"{name} must be a map of at most 64 entries")
+    for key, item in value.items():
+        _check_str(key, f"{name} key", 64)
+        if type(item) not in (int, float, str, bool):
+            _fail(f"{name}[{key!r}] must be a number, string or bool, got {type(item).__name__}")
+        if type(item) is str:
+            _check_str(item, f"{name}[{key!r}]")
+    return value
+
+
+def _check_shape(value: Any, name: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > MAX_NDIM:
+        _fail(f"{name} must be a list of at most {MAX_NDIM} dimensions")
+    shape = tuple(_check_int(d, f"{name} dimension", 0, MAX_ELEMENTS) for d in value)
+    if math.prod(shape) > MAX_ELEMENTS:
+        _fail(f"{name} {shape} has more than {MAX_ELEMENTS} elements")
+    return shape
+
+
+def _unpack_array(name: str, entry: Any) -> torch.Tensor:
+    if type(entry) is not dict or set(entry) != _ARRAY_KEYS:
+        _fail(f"array {name!r} must be a map with keys {sorted(_ARRAY_KEYS)}")
+    if entry["d"] not in ARRAY_DTYPES:
+        _fail(f"array {name!r} has dtype {entry['d']!r}; allowed: {', '.join(ARRAY_DTYPES)}")
+    np_dtype, _ = ARRAY_DTYPES[entry["d"]]
+    shape = _check_shape(entry["s"], f"array {name!r} shape")
+    zipped = _check_int(entry["z"], f"array {name!r} z", 0, 1)
+    data = entry["b"]
+    if type(data) is not bytes:
+        _fail(f"array {name!r} data must be binary")
+    expected = math.prod(shape) * np_dtype.itemsize
+    if zipped:
+        # Validate blosc's header before it allocates or decompresses anything.
+        if len(data) < 16 or not blosc.cbuffer_validate(data):
+            _fail(f"array {name!r}: invalid blosc buffer")
+        nbytes, cbytes, _ = blosc.get_cbuffer_sizes(data)
+        if nbytes != expected or cbytes != len(data):
+            _fail(f"array {name!r}: blosc holds {nbytes} bytes, shape {shape} needs {expected}")
+        try:
+            data = blosc.decompress(data)
+        except Exception as err:  # blosc raises RuntimeError/ValueError on corrupt blocks
+            raise WireError(f"array {name!r}: blosc could not decompress: {err}") from None
+    if len(data) != expected:
+        _fail(f"array {name!r}: {len(data)} bytes, shape {shape} x {np_dtype.itemsize} needs {expected}")
+    array = np.frombuffer(bytearray(data), dtype=np_dtype).reshape(shape)
+    return torch.from_numpy(array)
+
+
+def loads(buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate one message; raise ``WireError`` on anything malformed."""
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        _fail(f"expected bytes, got {type(buf).__name__}")
+    if len(buf) > max_bytes:
+        _fail(f"message of {len(buf)} bytes exceeds the limit of {max_bytes}")
+    try:
+        header = msgpack.unpackb(
+            buf,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=max_bytes,
+            max_str_len=1 << 16,
+            max_array_len=1 << 12,
+            max_map_len=1 << 10,
+            max_ext_len=0,
+        )
+    except Exception as err:  # msgpack raises several unrelated types on bad input
+        raise WireError(f"not a msgpack message: {type(err).__name__}: {err}") from None
+    if type(header) is not dict:
+        _fail(f"message must be a map, got {type(header).__name__}")
+    if set(header) != _HEADER_KEYS:
+        missing, extra = sorted(_HEADER_KEYS - set(header)), sorted(set(header) - _HEADER_KEYS, key=str)
+        _fail(f"message keys wrong (missing {missing}, unexpected {extra})")
+    if header["v"] != FORMAT_VERSION:
+        _fail(f"format version {header['v']!r} is not {FORMAT_VERSION}")
+    if header["kind"] not in KINDS:
+        _fail(f"kind {header['kind']!r} is not one of {KINDS}")
+    if header["dtype"] not in GRAD_DTYPES:
+        _fail(f"dtype {header['dtype']!r} is not one of {tuple(GRAD_DTYPES)}")
+    if type(header["arrays"]) is not dict or len(header["arrays"]) > 16:
+        _fail("arrays must be a map of at most 16 entries")
+    msg = Message(
+        codec=_check_str(header["codec"], "codec", 32),
+        params=_check_scalars(header["params"], "params"),
+        shape=_check_shape(header["shape"], "shape"),
+        dtype=header["dtype"],
+        arrays={_check_str(k, "array name", 32): _unpack_array(k, v) for k, v in header["arrays"].items()},
+        seed=_check_int(header["seed"], "seed", 0, 2**64 - 1),
+        kind=header["kind"],
+        step=_check_int(header["step"], "step", 0, 2**63 - 1),
+        layer=_check_str(header["layer"], "layer"),
+        sender=_check_int(header["sender"], "sender", 0, 2**31 - 1),
+        meta=_check_scalars(header["meta"], "meta"),
+    )
+    if msg.kind != "control" or msg.arrays:
+        try:
+            make_codec(msg.codec, **msg.params).check(msg)
+        except ValueError as err:
+            raise WireError(f"{msg.kind} message for layer {msg.layer!r}: {err}") from None
+    return msg
+
+
+def max_message_bytes(codec_spec: str, shape: tuple[int, ...], layer: str = "") -> int:
+    """A bound on ``len(dumps(msg))`` for any message of this codec and shape (receive buffers)."""
+    codec = make_codec(codec_spec)
+    payload = codec.max_payload_bytes(tuple(shape))
+    # blosc can grow an incompressible buffer by its 16-byte header plus a little per block,
+    # but dumps keeps the raw form then; the rest is header fields and per-array framing.
+    return payload + 1024 + 4 * len(layer) + 64 * len(shape)

@@ -1,0 +1,246 @@
+import math
+
+import pytest
+import torch
+
+from psgrad import wire
+from psgrad.codecs import available_codecs, make_codec
+
+SPECS = [
+    "none",
+    "fp16",
+    "topk:ratio=0.1",
+    "topk:ratio=0.1,approx=1",
+    "topk:ratio=0.05,values=fp16",
+    "randomk:ratio=0.2",
+    "threshold:v=0.5",
+    "terngrad",
+    "terngrad:clip=1",
+    "qsgd:levels=16,bucket=64",
+    "qsgd:levels=1,bucket=7",
+    "sign",
+    "svd:rank=2",
+    "svd:rank=2,sample=1",
+]
+SHAPES = [(1,), (1001,), (7, 5), (16, 3, 3, 3), ()]
+
+
+def test_every_registered_codec_is_tested():
+    assert {s.split(":")[0] for s in SPECS} == set(available_codecs())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_keeps_shape_and_dtype(spec, shape, dtype, device):
+    codec = make_codec(spec)
+    grad = torch.randn(shape, device=device).to(dtype)
+    msg = codec.encode(grad, seed=7)
+    out = codec.decode(wire.loads(wire.dumps(msg)), device=device)
+    assert out.shape == grad.shape and out.dtype == grad.dtype and out.device.type == device.type
+    assert torch.equal(out, codec.decode(msg, device=device))
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16"])
+def test_dense_codecs_are_near_exact(spec):
+    grad = torch.randn(300)
+    out = make_codec(spec).decode(make_codec(spec).encode(grad))
+    torch.testing.assert_close(out, grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if make_codec(s).unbiased])
+def test_unbiased_codecs_are_unbiased(spec):
+    torch.manual_seed(0)
+    grad = torch.randn(6, 10)
+    codec = make_codec(spec)
+    trials = 4000
+    total = torch.zeros_like(grad, dtype=torch.float64)
+    sq = torch.zeros_like(total)
+    for seed in range(trials):
+        out = codec.decode(codec.encode(grad, seed=seed)).double()
+        total += out
+        sq += out * out
+    mean = total / trials
+    std_err = ((sq / trials - mean * mean).clamp(min=0) / trials).sqrt()
+    assert _within_noise(mean, grad.double(), std_err), (mean - grad).abs().max()
+
+
+def test_biased_codecs_say_so():
+    assert set(available_codecs()) - {s.split(":")[0] for s in SPECS if make_codec(s).unbiased} >= {
+        "topk",
+        "threshold",
+        "sign",
+    }
+    assert not make_codec("svd:sample=0").unbiased and make_codec("svd:sample=1").unbiased
+
+
+def _within_noise(mean, target, std_err):
+    """5 standard errors per entry; entries that never moved in any trial (std 0, e.g. a tiny
+    value QSGD always rounds to 0) get half the median standard error as slack."""
+    return bool(torch.all((mean - target).abs() <= 5 * std_err + 0.5 * std_err.median() + 1e-6))
+
+
+def test_unbiasedness_check_catches_a_small_bias():
+    grad = torch.randn(60)
+    codec = make_codec("qsgd:levels=4")
+    outs = torch.stack([codec.decode(codec.encode(grad, seed=s)) for s in range(4000)])
+    mean, err = outs.mean(0), outs.std(0) / math.sqrt(4000)
+    assert _within_noise(mean, grad, err)
+    assert not _within_noise(mean * 1.05, grad, err)
+
+
+@pytest.mark.parametrize("approx", [0, 1])
+@pytest.mark.parametrize("n,ratio", [(10, 0.3), (50_000, 0.01), (100_003, 0.001)])
+def test_topk_selects_exactly_the_k_largest(approx, n, ratio, device):
+    grad = torch.randn(n, device=device)
+    codec = make_codec("topk", ratio=ratio, approx=approx)
+    out = codec.decode(codec.encode(grad, seed=3))
+    k = math.ceil(ratio * n)
+    expected = set(torch.topk(grad.abs(), k).indices.tolist())
+    kept = set(torch.nonzero(out).view(-1).tolist())
+    assert kept == expected
+    assert torch.equal(out[list(expected)], grad[list(expected)])
+
+
+def test_sampled_topk_refines_when_sample_misleads():
+    # a few huge entries among tiny ones: the sampled threshold overshoots and must be lowered
+    grad = torch.full((40_000,), 1e-3)
+    grad[torch.randperm(40_000)[:400]] = torch.rand(400) + 1
+    grad += torch.rand(40_000) * 1e-4
+    codec = make_codec("topk:ratio=0.02,approx=1")
+    out = codec.decode(codec.encode(grad, seed=1))
+    assert set(torch.nonzero(out).view(-1).tolist()) == set(torch.topk(grad.abs(), 800).indices.tolist())
+
+
+def test_threshold_keeps_entries_at_or_above_v():
+    grad = torch.tensor([0.1, -0.5, 0.49, 2.0, -3.0])
+    out = make_codec("threshold:v=0.5").decode(make_codec("threshold:v=0.5").encode(grad))
+    assert out.tolist() == [0.0, -0.5, 0.0, 2.0, -3.0]
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("sample", [0, 1])
+def test_svd_is_exact_for_low_rank_inputs(rank, sample):
+    torch.manual_seed(rank)
+    grad = (torch.randn(20, rank) @ torch.randn(rank, 36)).view(20, 4, 9)
+    codec = make_codec("svd", rank=3, sample=sample)
+    torch.testing.assert_close(codec.decode(codec.encode(grad, seed=5)), grad, rtol=1e-4, atol=1e-4)
+
+
+def test_svd_truncates_to_rank():
+    grad = torch.randn(30, 20)
+    msg = make_codec("svd:rank=2").encode(grad)
+    assert msg.arrays["u"].shape == (30, 2) and msg.arrays["v"].shape == (2, 20)
+
+
+def test_sign_keeps_signs_and_l1_norm():
+    grad = torch.randn(101)
+    out = make_codec("sign").decode(make_codec("sign").encode(grad))
+    assert torch.equal(out < 0, grad < 0)
+    torch.testing.assert_close(out.abs().sum(), grad.abs().sum())
+
+
+def test_terngrad_outputs_three_values():
+    grad = torch.randn(1000)
+    out = make_codec("terngrad").decode(make_codec("terngrad").encode(grad, seed=2))
+    assert set(out.unique().tolist()) <= {0.0, grad.abs().max().item(), -grad.abs().max().item()}
+
+
+def test_seed_makes_random_codecs_reproducible():
+    grad = torch.randn(25, 20)
+    for spec in ["qsgd", "terngrad", "randomk:ratio=0.1", "svd:sample=1"]:
+        codec = make_codec(spec)
+        a, b, c = (codec.decode(codec.encode(grad, seed=s)) for s in (1, 1, 2))
+        assert torch.equal(a, b) and not torch.equal(a, c), spec
+
+
+def test_decode_add_matches_decode():
+    grad = torch.randn(40, 25)
+    for spec in SPECS:
+        codec = make_codec(spec)
+        msg = codec.encode(grad, seed=4)
+        acc = torch.ones(40, 25)
+        codec.decode_add(msg, acc, alpha=0.5)
+        torch.testing.assert_close(acc, 1 + 0.5 * codec.decode(msg), msg=spec)
+
+
+# ---------------------------------------------------------------- byte budgets (docs/codecs.md)
+N = 1 << 16
+BUDGET_BITS = {  # raw payload bits per element for N elements, as docs/codecs.md states them
+    "none": 32,
+    "fp16": 16,
+    "topk:ratio=0.01": 0.01 * 64,
+    "topk:ratio=0.01,values=fp16": 0.01 * 48,
+    "randomk:ratio=0.01": 0.01 * 32,
+    "terngrad": 2 + 32 / N,
+    "qsgd:levels=16,bucket=512": 5 + 1 + 32 / 512,
+    "qsgd:levels=15,bucket=512": 4 + 1 + 32 / 512,
+    "qsgd:levels=1,bucket=512": 1 + 1 + 32 / 512,
+    "sign": 1 + 32 / N,
+    "svd:rank=2": 32 * 2 * (256 + 256 + 1) / N,
+}
+HEADER_SLACK = 400  # msgpack header + per-array framing, in bytes
+
+
+@pytest.mark.parametrize("spec", BUDGET_BITS)
+def test_byte_budget(spec):
+    grad = torch.randn(256, 256)
+    msg = make_codec(spec).encode(grad, seed=1)
+    payload = sum(a.numel() * a.element_size() for a in msg.arrays.values())
+    assert payload * 8 / N == pytest.approx(BUDGET_BITS[spec], rel=0.002)
+    assert make_codec(spec).budget_bits(grad.shape) == pytest.approx(BUDGET_BITS[spec], rel=0.002)
+    assert len(wire.dumps(msg, compress="never")) <= payload + HEADER_SLACK
+    assert len(wire.dumps(msg)) <= payload + HEADER_SLACK
+    assert len(wire.dumps(msg)) <= wire.max_message_bytes(spec, grad.shape)
+
+
+def test_threshold_budget_is_per_kept_entry():
+    grad = torch.randn(N)
+    msg = make_codec("threshold:v=2").encode(grad)
+    kept = int((grad.abs() >= 2).sum())
+    assert len(wire.dumps(msg, compress="never")) <= 8 * kept + HEADER_SLACK
+
+
+def test_qsgd_is_bit_packed_not_byte_per_element():
+    msg = make_codec("qsgd:levels=4,bucket=1024").encode(torch.randn(1 << 14))
+    assert len(wire.dumps(msg, compress="never")) < (1 << 14) * 4 / 8 + 400  # 3+1 bits < 1 byte
+
+
+# ---------------------------------------------------------------- specs
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("nope", "unknown codec 'nope'"),
+        ("topk:ratio=2", "ratio must be in (0, 1]"),
+        ("topk:ratio=x", "ratio='x' is not a float"),
+        ("qsgd:level=3", "has no parameter 'level'"),
+        ("qsgd:levels", "expected key=value"),
+        ("topk:values=int8", "values must be one of"),
+        ("", "non-empty"),
+        ("svd:rank=0", "rank must be >= 1"),
+    ],
+)
+def test_bad_spec_raises_value_error_naming_the_problem(spec, fragment):
+    with pytest.raises(ValueError) as err:
+        make_codec(spec)
+    assert fragment in str(err.value)
+
+
+def test_spec_and_keywords_agree():
+    assert make_codec("qsgd:levels=4").params == make_codec("qsgd", levels=4).params
+    assert make_codec(make_codec("topk:ratio=0.5,approx=1").spec).params == {"ratio": 0.5, "approx": True, "values": "fp32"}
+
+
+def test_integer_gradients_are_rejected():
+    with pytest.raises(TypeError, match="floating"):
+        make_codec("none").encode(torch.arange(3))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_message_does_not_alias_the_gradient(spec):
+    grad = torch.randn(30, 20)
+    codec = make_codec(spec)
+    msg = codec.encode(grad, seed=1)
+    before = codec.decode(msg).clone()
+    grad.zero_()
+    assert torch.equal(codec.decode(msg), before)

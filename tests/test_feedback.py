@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from psgrad.codecs import make_codec
+from psgrad.feedback import DGCMemory, ErrorFeedback, dgc_sparsity, make_feedback
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "sign", "qsgd:levels=2", "svd:rank=1", "threshold:v=1.5"])
+def test_error_feedback_conserves_mass(spec):
+    """sum of everything sent + the residual == sum of everything put in."""
+    torch.manual_seed(0)
+    memory = ErrorFeedback(make_codec(spec))
+    sent = torch.zeros(12, 10)
+    inputs = torch.zeros(12, 10)
+    for step in range(20):
+        grad = torch.randn(12, 10)
+        inputs += grad
+        msg = memory.encode("w", grad, seed=step)
+        sent += memory.codec.decode(msg)
+    torch.testing.assert_close(sent + memory.residuals["w"], inputs, rtol=1e-4, atol=1e-4)
+    assert memory.residuals["w"].abs().sum() > 0  # the test would be empty for a lossless codec
+
+
+def test_error_feedback_layers_are_separate():
+    memory = ErrorFeedback(make_codec("topk:ratio=0.1"))
+    memory.encode("a", torch.randn(50), 0)
+    memory.encode("b", torch.randn(7), 0)
+    assert memory.residuals["a"].shape == (50,) and memory.residuals["b"].shape == (7,)
+
+
+def test_dgc_sparsity_warmup():
+    assert [round(dgc_sparsity(e, 4), 6) for e in range(6)] == [0.75, 0.9375, 0.984375, 0.996094, 0.999, 0.999]
+
+
+def test_dgc_warmup_changes_codec_ratio():
+    memory = DGCMemory(make_codec("topk:ratio=0.001"), warmup_epochs=4)
+    memory.set_epoch(0)
+    assert memory.codec.params["ratio"] == pytest.approx(0.25)
+    memory.set_epoch(10)
+    assert memory.codec.params["ratio"] == pytest.approx(0.001)
+
+
+def test_dgc_momentum_correction_and_masking():
+    memory = DGCMemory(make_codec("topk:ratio=0.25"), momentum=0.5)
+    g = torch.tensor([4.0, 1.0, 0.5, 0.25])
+    sent = memory.codec.decode(memory.encode("w", g, 0))
+    assert sent.tolist() == [4.0, 0.0, 0.0, 0.0]
+    # masked coordinate 0 has no momentum left; the others accumulate u and v
+    assert memory.momentums["w"].tolist() == [0.0, 1.0, 0.5, 0.25]
+    sent = memory.codec.decode(memory.encode("w", torch.zeros(4), 1))
+    # v = v + u with u = 0.5 * u: coordinate 1 has 1 + 0.5 = 1.5
+    assert sent.tolist() == [0.0, 1.5, 0.0, 0.0]
+
+
+def test_dgc_clipping():
+    memory = DGCMemory(make_codec("none"), momentum=0.0, clip_norm=1.0)
+    out = memory.codec.decode(memory.encode("w", torch.tensor([3.0, 4.0]), 0))
+    torch.testing.assert_close(out, torch.tensor([0.6, 0.8]))
+
+
+@pytest.mark.parametrize("kind", ["ef", "dgc"])
+def test_state_round_trip(kind, tmp_path):
+    first = make_feedback(kind, make_codec("topk:ratio=0.2"))
+    for step in range(3):
+        first.encode("w", torch.randn(20), step)
+    torch.save(first.state_dict(), tmp_path / "m.pt")
+    second = make_feedback(kind, make_codec("topk:ratio=0.2"))
+    second.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    g = torch.randn(20)
+    assert torch.equal(first.codec.decode(first.encode("w", g, 9)), second.codec.decode(second.encode("w", g, 9)))
+
+
+def test_unknown_feedback():
+    with pytest.raises(ValueError, match="unknown feedback"):
+        make_feedback("bogus", make_codec("none"))

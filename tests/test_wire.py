@@ -1,0 +1,127 @@
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psgrad import wire
+from psgrad.codecs import Message, make_codec
+from psgrad.wire import WireError
+
+SPECS = ["none", "fp16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:v=0.5", "terngrad", "qsgd", "sign", "svd:rank=2"]
+
+
+def _message(spec="topk:ratio=0.1", shape=(40, 30)):
+    msg = make_codec(spec).encode(torch.randn(shape), seed=11)
+    msg.kind, msg.step, msg.layer, msg.sender = "grad", 5, "layer1.weight", 2
+    return msg
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("compress", ["auto", "always", "never"])
+def test_round_trip_preserves_everything(spec, compress):
+    msg = _message(spec)
+    msg.meta = {"op": "x", "n": 3, "f": 0.5, "b": True}
+    back = wire.loads(wire.dumps(msg, compress=compress))
+    for field in ("codec", "params", "shape", "dtype", "seed", "kind", "step", "layer", "sender", "meta"):
+        assert getattr(back, field) == getattr(msg, field), field
+    assert back.arrays.keys() == msg.arrays.keys()
+    for key in msg.arrays:
+        assert torch.equal(back.arrays[key], msg.arrays[key].contiguous())
+
+
+def test_blosc_pays_on_sorted_index_gaps():
+    msg = _message("topk:ratio=0.01", (1 << 16,))
+    assert len(wire.dumps(msg)) < 0.8 * len(wire.dumps(msg, compress="never"))
+
+
+def test_control_message_without_arrays():
+    msg = Message("none", {}, (0,), "float32", {}, kind="control", meta={"op": "stop"})
+    assert wire.loads(wire.dumps(msg)).meta == {"op": "stop"}
+
+
+def _header(**changes):
+    header = msgpack.unpackb(wire.dumps(_message()), raw=False)
+    header.update(changes)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _array_change(name, **changes):
+    header = msgpack.unpackb(wire.dumps(_message(), compress="never"), raw=False)
+    header["arrays"][name].update(changes)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "buf,fragment",
+    [
+        (b"", "not a msgpack"),
+        (b"\x93\x01\x02\x03", "must be a map"),
+        (msgpack.packb({"v": 1}), "keys wrong"),
+        (_header(v=2), "version"),
+        (_header(kind="evil"), "kind"),
+        (_header(dtype="int8"), "dtype"),
+        (_header(step=-1), "step"),
+        (_header(codec="nope"), "unknown codec"),
+        (_header(params={"ratio": 5.0}), "ratio"),
+        (_header(shape=[40, 31]), "expected"),
+        (_header(shape=[1 << 20] * 3), "elements"),
+        (_array_change("values", d="object"), "dtype"),
+        (_array_change("values", b=b"\x00" * 7), "bytes"),
+        (_array_change("values", s=[1 << 40]), "dimension"),
+        (_array_change("gaps", b=(torch.tensor([5000] * 120, dtype=torch.int32).numpy().tobytes())), "beyond"),
+        (_array_change("gaps", b=(torch.tensor([3, 0] * 60, dtype=torch.int32).numpy().tobytes())), "increasing"),
+        (_array_change("values", z=1), "blosc"),
+        (_header(arrays={"values": {"d": "float32", "s": [1], "z": 0, "b": "str"}}), "binary"),
+    ],
+)
+def test_malformed_input_raises_wire_error(buf, fragment):
+    with pytest.raises(WireError) as err:
+        wire.loads(buf)
+    assert fragment in str(err.value)
+
+
+def test_size_limit():
+    buf = wire.dumps(_message("none", (1000,)))
+    with pytest.raises(WireError, match="exceeds the limit"):
+        wire.loads(buf, max_bytes=len(buf) - 1)
+
+
+def test_blosc_claiming_a_huge_size_is_rejected_before_decompressing():
+    header = msgpack.unpackb(wire.dumps(_message("qsgd", (1 << 14,)), compress="always"), raw=False)
+    data = bytearray(header["arrays"]["levels"]["b"])
+    data[4:8] = (1 << 30).to_bytes(4, "little")  # blosc header: uncompressed size
+    header["arrays"]["levels"]["b"] = bytes(data)
+    with pytest.raises(WireError, match="blosc"):
+        wire.loads(msgpack.packb(header, use_bin_type=True))
+
+
+VALID = [wire.dumps(_message(spec, (33, 17)), compress="always") for spec in SPECS]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_only_raise_wire_error(data):
+    try:
+        wire.loads(data)
+    except WireError:
+        pass
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(range(len(VALID))),
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8),
+    st.integers(0, 1 << 20),
+)
+def test_fuzz_mutated_messages_only_raise_wire_error(which, flips, cut):
+    data = bytearray(VALID[which])
+    for pos, value in flips:
+        data[pos % len(data)] = value
+    data = bytes(data[: max(1, cut % (len(data) + 1))])
+    try:
+        msg = wire.loads(data)
+    except WireError:
+        return
+    # whatever survived validation must decode without error
+    make_codec(msg.codec, **msg.params).decode(msg)
