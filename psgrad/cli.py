@@ -46,7 +46,9 @@ def codecs(size: int, repeat: int, specs: tuple[str, ...], threads: int, as_json
     torch.set_num_threads(threads)
     rows = codecbench.run(specs, size=size, repeat=repeat)
     if as_json:
-        click.echo(json.dumps({"machine": codecbench.machine(), "size": size, "rows": codecbench.as_dicts(rows)}, indent=1))
+        click.echo(
+            json.dumps({"machine": codecbench.machine(), "size": size, "rows": codecbench.as_dicts(rows)}, indent=1)
+        )
         return
     click.echo(f"{size} fp32 elements ({size * 4 / 1e6:.1f} MB), median of {repeat}, {threads} thread(s)")
     click.echo(codecbench.table(rows))

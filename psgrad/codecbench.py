@@ -77,7 +77,7 @@ def run(specs: tuple[str, ...] = DEFAULT_SPECS, size: int = 1 << 20, repeat: int
         buf = wire.dumps(codec.encode(grad, seed=seed))
         acc = torch.zeros_like(grad)
         encode = _median_seconds(lambda codec=codec: wire.dumps(codec.encode(grad, seed=seed)), repeat)
-        decode = _median_seconds(lambda codec=codec, buf=buf: codec.decode_add(wire.loads(buf), acc), repeat)
+        decode = _median_seconds(lambda codec=codec, buf=buf, acc=acc: codec.decode_add(wire.loads(buf), acc), repeat)
         rows.append(
             CodecRow(
                 codec=codec.spec,

@@ -140,7 +140,9 @@ class DGCMemory(NoFeedback):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.momentums = {k.removeprefix("momentum/"): t.clone() for k, t in state.items() if k.startswith("momentum/")}
-        self.velocities = {k.removeprefix("velocity/"): t.clone() for k, t in state.items() if k.startswith("velocity/")}
+        self.velocities = {
+            k.removeprefix("velocity/"): t.clone() for k, t in state.items() if k.startswith("velocity/")
+        }
 
 
 FEEDBACKS = ("none", "ef", "dgc")

@@ -228,7 +228,11 @@ def test_bad_spec_raises_value_error_naming_the_problem(spec, fragment):
 
 def test_spec_and_keywords_agree():
     assert make_codec("qsgd:levels=4").params == make_codec("qsgd", levels=4).params
-    assert make_codec(make_codec("topk:ratio=0.5,approx=1").spec).params == {"ratio": 0.5, "approx": True, "values": "fp32"}
+    assert make_codec(make_codec("topk:ratio=0.5,approx=1").spec).params == {
+        "ratio": 0.5,
+        "approx": True,
+        "values": "fp32",
+    }
 
 
 def test_integer_gradients_are_rejected():

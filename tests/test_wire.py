@@ -8,7 +8,17 @@ from psgrad import wire
 from psgrad.codecs import Message, make_codec
 from psgrad.wire import WireError
 
-SPECS = ["none", "fp16", "topk:ratio=0.1", "randomk:ratio=0.1", "threshold:v=0.5", "terngrad", "qsgd", "sign", "svd:rank=2"]
+SPECS = [
+    "none",
+    "fp16",
+    "topk:ratio=0.1",
+    "randomk:ratio=0.1",
+    "threshold:v=0.5",
+    "terngrad",
+    "qsgd",
+    "sign",
+    "svd:rank=2",
+]
 
 
 def _message(spec="topk:ratio=0.1", shape=(40, 30)):

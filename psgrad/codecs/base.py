@@ -79,9 +79,7 @@ class Codec:
             try:
                 value = type(default)(value) if not isinstance(default, bool) else bool(int(value))
             except (TypeError, ValueError):
-                raise ValueError(
-                    f"codec {self.name!r}: {key}={value!r} is not a {type(default).__name__}"
-                ) from None
+                raise ValueError(f"codec {self.name!r}: {key}={value!r} is not a {type(default).__name__}") from None
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"codec {self.name!r}: {key} must be finite")
             if key in self.choices and value not in self.choices[key]:
