@@ -1,0 +1,129 @@
+"""One validated dataclass of run settings; the CLI and the Python API both build it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .codecs import make_codec
+from .feedback import FEEDBACKS
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs. ``validate()`` raises ValueError naming the bad setting."""
+
+    # model and data
+    model: str = "wrn"
+    depth: int = 16
+    widen_factor: int = 4
+    dropout: float = 0.0
+    dataset: str = "synthetic"
+    data_dir: str = "data"
+    synthetic_classes: int = 10
+    synthetic_size: int = 2048
+    partition: str = "random"
+    augment: bool = True
+    # coding
+    codec: str = "none"
+    down_codec: str = "none"
+    feedback: str = "none"
+    dgc_momentum: float = 0.9
+    dgc_clip_norm: float | None = None
+    dgc_warmup_epochs: int = 0
+    granularity: str = "layer"
+    # optimisation
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+    schedule: str = "constant"
+    lr_milestones: tuple[int, ...] = (60, 120, 160)
+    lr_decay: float = 0.2
+    warmup_epochs: float = 0.0
+    scale_lr: bool = False
+    batch_size: int = 32
+    steps: int | None = None
+    epochs: float = 1.0
+    # system
+    servers: int = 1
+    mode: str = "sync"
+    staleness: int = 0
+    topology: str = "ps"
+    device: str = "cpu"
+    threads: int = 1
+    seed: int = 0
+    # output
+    log_dir: str | None = None
+    eval_every: int = 1
+    tensorboard: bool = False
+    progress: bool = True
+    checkpoint_every: int = 0
+    resume: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> RunConfig:
+        def need(ok: bool, text: str) -> None:
+            if not ok:
+                raise ValueError(text)
+
+        for spec_field in ("codec", "down_codec"):
+            try:
+                make_codec(getattr(self, spec_field))
+            except ValueError as err:
+                raise ValueError(f"--{spec_field.replace('_', '-')}: {err}") from None
+        need(self.feedback in FEEDBACKS, f"--feedback must be one of {FEEDBACKS}, got {self.feedback!r}")
+        need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
+        need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
+        need(self.schedule in ("constant", "multistep", "cosine"), f"--schedule must be constant, multistep or cosine, got {self.schedule!r}")
+        need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")
+        need(self.topology in ("ps", "alltoall"), f"--topology must be ps or alltoall, got {self.topology!r}")
+        need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.partition in ("random", "contiguous"), f"--partition must be random or contiguous, got {self.partition!r}")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
+        need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        need(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        need(self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")
+        need(self.servers >= 1, f"--servers must be >= 1, got {self.servers}")
+        need(self.staleness >= 0, f"--staleness must be >= 0, got {self.staleness}")
+        need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
+        need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
+        need(self.lr_decay > 0, f"--lr-decay must be > 0, got {self.lr_decay}")
+        need(self.synthetic_classes in (10, 100), f"synthetic classes must be 10 or 100, got {self.synthetic_classes}")
+        need(self.synthetic_size >= self.batch_size, "--synthetic-size must be at least --batch-size")
+        need(self.dataset in ("synthetic", "cifar10", "cifar100"), f"--dataset must be synthetic, cifar10 or cifar100, got {self.dataset!r}")
+        need(not (self.mode == "async" and self.topology == "alltoall"), "--mode async needs the ps topology")
+        need(not (self.feedback == "dgc" and self.momentum > 0 and self.optimizer == "sgd" and not self.extra.get("allow_double_momentum")),
+             "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD")
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return {"cifar10": 10, "cifar100": 100}.get(self.dataset, self.synthetic_classes)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["lr_milestones"] = list(self.lr_milestones)
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys: {unknown}")
+        data["lr_milestones"] = tuple(data.get("lr_milestones", ()))
+        return cls(**data).validate()
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path

@@ -1,0 +1,101 @@
+"""Datasets and per-worker shards with whole-batch augmentation in torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .cifar import ImageSet, load_cifar
+from .synthetic import make_synthetic
+
+MEANS = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
+STDS = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
+
+__all__ = ["ImageSet", "ShardLoader", "load_dataset", "load_cifar", "make_synthetic", "normalize", "augment"]
+
+
+def load_dataset(name: str, split: str, data_dir: str = "data", synthetic_classes: int = 10, synthetic_size: int = 2048, seed: int = 0) -> ImageSet:
+    if name == "synthetic":
+        size = synthetic_size if split == "train" else max(256, synthetic_size // 4)
+        return make_synthetic(synthetic_classes, size, seed, split)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar(name, data_dir, split)
+    raise ValueError(f"unknown dataset {name!r}; choose synthetic, cifar10 or cifar100")
+
+
+def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:
+    """uint8 (B, 3, 32, 32) -> float, per-channel standardised."""
+    mean = torch.tensor(MEANS.get(dataset, (0.5, 0.5, 0.5))).view(1, 3, 1, 1)
+    std = torch.tensor(STDS.get(dataset, (0.25, 0.25, 0.25))).view(1, 3, 1, 1)
+    return (images.float().div_(255) - mean) / std
+
+
+def augment(images: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Random crop with ``pad``-pixel zero padding and horizontal flip, on a whole batch at once.
+
+    1. Pad the batch once; draw one (dy, dx) offset and one flip bit per image from ``generator``.
+    2. Gather every crop with one advanced-indexing op (no Python loop over images).
+    """
+    b, c, h, w = images.shape
+    padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    flip = torch.rand(b, generator=generator) < 0.5
+    rows = (dy.view(b, 1) + torch.arange(h).view(1, h)).view(b, 1, h, 1)
+    cols = dx.view(b, 1) + torch.arange(w).view(1, w)
+    cols = torch.where(flip.view(b, 1), cols.flip(1), cols).view(b, 1, 1, w)
+    batch = torch.arange(b).view(b, 1, 1, 1)
+    chan = torch.arange(c).view(1, c, 1, 1)
+    return padded[batch, chan, rows, cols]
+
+
+class ShardLoader:
+    """The batches one worker trains on, as a pure function of the step (so resume is exact).
+
+    1. Each epoch, a permutation of the dataset drawn from (seed, epoch).
+    2. ``random``: worker w takes positions w, w+W, ... of that permutation (a fresh random
+       shard each epoch). ``contiguous``: worker w owns the fixed block w of the dataset and
+       shuffles it each epoch.
+    3. Batch i of the epoch is the i-th slice of ``batch_size`` of the worker's order; the last
+       incomplete batch is dropped. Augmentation draws from (seed, epoch, worker, i).
+    """
+
+    def __init__(self, data: ImageSet, dataset: str, worker: int, workers: int, batch_size: int, seed: int, partition: str = "random", augment: bool = True) -> None:
+        n = len(data.labels)
+        self.per_worker = n // workers
+        if self.per_worker < batch_size:
+            raise ValueError(f"{data.name}: {n} samples over {workers} workers is fewer than one batch of {batch_size} each")
+        self.images = torch.from_numpy(data.images)
+        self.labels = torch.from_numpy(data.labels)
+        self.dataset, self.worker, self.workers = dataset, worker, workers
+        self.batch_size, self.seed, self.partition, self.augment = batch_size, seed, partition, augment
+        self.steps_per_epoch = self.per_worker // batch_size
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+
+    def _order_for(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            n = len(self.labels)
+            if self.partition == "random":
+                self._order = torch.randperm(n, generator=gen)[self.worker :: self.workers][: self.per_worker]
+            else:
+                block = torch.arange(self.worker * self.per_worker, (self.worker + 1) * self.per_worker)
+                self._order = block[torch.randperm(self.per_worker, generator=gen)]
+            self._epoch = epoch
+        return self._order
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        idx = self._order_for(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        images = normalize(self.images[idx], self.dataset)
+        if self.augment:
+            gen = torch.Generator().manual_seed(hash((self.seed, epoch, self.worker, i)) & 0x7FFF_FFFF)
+            images = augment(images, gen)
+        return images, self.labels[idx]
+
+
+def eval_batches(data: ImageSet, dataset: str, batch_size: int = 256):
+    """The whole set in order, normalised, no augmentation."""
+    for start in range(0, len(data.labels), batch_size):
+        images = torch.from_numpy(data.images[start : start + batch_size])
+        yield normalize(images, dataset), torch.from_numpy(data.labels[start : start + batch_size])

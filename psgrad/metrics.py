@@ -1,0 +1,116 @@
+"""Per-step records: metrics.csv / eval.csv writers, optional TensorBoard, a progress bar on one rank."""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+
+METRIC_COLUMNS = [
+    "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr",
+    "forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time",
+    "server_decode", "server_apply", "server_idle", "wall",
+]  # fmt: skip
+EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset"]
+TIME_KEYS = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time")
+
+
+class StepAggregator:
+    """Collects one stats record per worker per step; returns the merged row when all are in.
+
+    Loss and times are averaged over workers; bytes are summed (the traffic of the whole step).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.parts: dict[int, list[dict]] = {}
+        self.start = time.perf_counter()
+        self.last = self.start
+
+    def add(self, record: dict) -> dict | None:
+        step = int(record["step"])
+        parts = self.parts.setdefault(step, [])
+        parts.append(record)
+        if len(parts) < self.workers:
+            return None
+        del self.parts[step]
+        now = time.perf_counter()
+        row = {"step": step, "loss": sum(p["loss"] for p in parts) / len(parts)}
+        row["bytes_up"] = int(sum(p["bytes_up"] for p in parts))
+        row["bytes_down"] = int(sum(p["bytes_down"] for p in parts))
+        for key in TIME_KEYS:
+            row[key] = sum(p[key] for p in parts) / len(parts)
+        row["it_per_s"] = 1.0 / max(1e-9, now - self.last)
+        row["wall"] = now - self.start
+        self.last = now
+        return row
+
+
+class MetricsLog:
+    """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar."""
+
+    def __init__(self, log_dir: str | None, total_steps: int, start_step: int, steps_per_epoch: int, label: str, tensorboard: bool = False, progress: bool = True) -> None:
+        self.dir = Path(log_dir) if log_dir else None
+        self.steps_per_epoch = steps_per_epoch
+        self.rows: list[dict] = []
+        self.evals: list[dict] = []
+        self._files = {}
+        self._writers = {}
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            append = start_step > 0
+            for name, cols in (("metrics", METRIC_COLUMNS), ("eval", EVAL_COLUMNS)):
+                path = self.dir / f"{name}.csv"
+                f = open(path, "a" if append and path.exists() else "w", newline="")
+                writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+                if f.tell() == 0:
+                    writer.writeheader()
+                self._files[name], self._writers[name] = f, writer
+        self.tb = None
+        if tensorboard and self.dir:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self.tb = SummaryWriter(str(self.dir / "tb"))
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def step(self, row: dict) -> None:
+        row["epoch"] = row["step"] / max(1, self.steps_per_epoch)
+        self.rows.append(row)
+        if "metrics" in self._writers:
+            self._writers["metrics"].writerow(row)
+            self._files["metrics"].flush()
+        if self.tb:
+            for key in ("loss", "it_per_s", "bytes_up", "bytes_down", "lr"):
+                if key in row:
+                    self.tb.add_scalar(f"train/{key}", row[key], row["step"])
+        if self.bar:
+            mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
+            self.bar.set_postfix_str(f"epoch {row['epoch']:.2f} loss {row['loss']:.3f} {row['it_per_s']:.2f} it/s {mb:.2f} MB/step", refresh=False)
+            self.bar.update(1)
+
+    def evaluation(self, row: dict) -> None:
+        self.evals.append(row)
+        if "eval" in self._writers:
+            self._writers["eval"].writerow(row)
+            self._files["eval"].flush()
+        if self.tb:
+            self.tb.add_scalar("test/loss", row["test_loss"], row["step"])
+            self.tb.add_scalar("test/acc", row["test_acc"], row["step"])
+        message = f"[eval] epoch {row['epoch']:.2f} step {row['step']}: test loss {row['test_loss']:.4f}, accuracy {row['test_acc']:.4f} ({row['dataset']})"
+        if self.bar:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        for f in self._files.values():
+            f.close()
+        if self.tb:
+            self.tb.close()

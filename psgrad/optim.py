@@ -1,0 +1,86 @@
+"""Per-layer optimizers on flat tensors (the server's update) and learning-rate schedules.
+
+The formulas are torch.optim's SGD (momentum, dampening 0, Nesterov, L2 weight decay) and Adam,
+applied to one layer at a time, so the server can update each layer the moment it is complete.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RunConfig
+
+
+class LayerOptimizer:
+    """``step(key, param, grad, lr)`` updates ``param`` in place; state is per key."""
+
+    def __init__(self, kind: str = "sgd", momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if kind not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be sgd or adam, got {kind!r}")
+        if nesterov and momentum <= 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
+        self.kind, self.momentum, self.nesterov, self.weight_decay = kind, momentum, nesterov, weight_decay
+        self.betas, self.eps = betas, eps
+        self.state: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> LayerOptimizer:
+        return cls(cfg.optimizer, cfg.momentum, cfg.nesterov, cfg.weight_decay)
+
+    def step(self, key: str, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """One update of ``param`` with ``grad``.
+
+        SGD: 1. d = g + wd p. 2. b = d (first step) or m b + d. 3. d = d + m b (Nesterov) or b.
+        4. p -= lr d.  Adam: m, v moments with bias correction, p -= lr m_hat / (sqrt(v_hat) + eps).
+        """
+        d = grad if self.weight_decay == 0 else grad.add(param, alpha=self.weight_decay)
+        if self.kind == "sgd":
+            if self.momentum > 0:
+                buf = self.state.get(f"{key}/momentum")
+                if buf is None:
+                    buf = self.state[f"{key}/momentum"] = d.clone()
+                else:
+                    buf.mul_(self.momentum).add_(d)
+                d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
+            param.add_(d, alpha=-lr)
+            return
+        beta1, beta2 = self.betas
+        m = self.state.setdefault(f"{key}/exp_avg", torch.zeros_like(param))
+        v = self.state.setdefault(f"{key}/exp_avg_sq", torch.zeros_like(param))
+        t = self.state.setdefault(f"{key}/step", torch.zeros((), dtype=torch.float64))
+        t += 1
+        m.mul_(beta1).add_(d, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(d, d, value=1 - beta2)
+        bias1 = 1 - beta1 ** float(t)
+        bias2 = 1 - beta2 ** float(t)
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
+        param.addcdiv_(m, denom, value=-lr / bias1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+
+
+def learning_rate(cfg: RunConfig, step: int, steps_per_epoch: int, workers: int) -> float:
+    """The LR at ``step`` (0-based).
+
+    1. Base: ``lr``, times the number of workers with ``scale_lr``.
+    2. Schedule by epoch e = step / steps_per_epoch: constant; multistep (x ``lr_decay`` at each
+       passed milestone); cosine over the run.
+    3. Linear warm-up over the first ``warmup_epochs``: from base / steps to base.
+    """
+    base = cfg.lr * (workers if cfg.scale_lr else 1)
+    epoch = step / max(1, steps_per_epoch)
+    if cfg.schedule == "multistep":
+        base *= cfg.lr_decay ** sum(1 for m in cfg.lr_milestones if epoch >= m)
+    elif cfg.schedule == "cosine":
+        total = cfg.steps if cfg.steps is not None else cfg.epochs * steps_per_epoch
+        base *= 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
+    warmup_steps = cfg.warmup_epochs * steps_per_epoch
+    if warmup_steps > 0 and step < warmup_steps:
+        base *= (step + 1) / warmup_steps
+    return base

@@ -1,0 +1,232 @@
+"""Non-blocking MPI messaging of wire bytes. THE ONLY module that imports mpi4py.
+
+Only buffer-based (upper-case) MPI calls are used: mpi4py's lower-case calls pickle, and nothing
+pickled ever goes on psgrad's network. Waiting never busy-polls a core: MPI implementations spin
+while they wait, and with three ranks on two cores a spinning server steals a worker's core, so
+every wait here is a Test loop with an exponential sleep back-off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+TAG_CONTROL = 1
+TAG_STATS = 2
+TAG_BUFFERS = 3
+TAG_SERVER_SYNC = 4
+TAG_LAYER_BASE = 16
+
+_SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
+_MIN_SLEEP = 50e-6
+_MAX_SLEEP = 1e-3
+
+
+def layer_tag(index: int) -> int:
+    """The MPI tag of layer ``index`` (grad up and params down share it; direction tells them apart)."""
+    tag = TAG_LAYER_BASE + index
+    if tag > MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
+        raise ValueError(f"layer index {index} exceeds MPI's tag range")
+    return tag
+
+
+@dataclass
+class Handle:
+    """A pending send or receive. Keeps the request and its buffer alive until completion."""
+
+    request: MPI.Request
+    buffer: bytes | bytearray
+    peer: int
+    tag: int
+    key: object = None
+    count: int = -1
+    status: MPI.Status = field(default_factory=MPI.Status)
+    started: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0
+
+    def payload(self) -> memoryview:
+        """The received bytes (valid after completion of a receive)."""
+        return memoryview(self.buffer)[: self.count]
+
+
+class Backoff:
+    """Sleep a little longer each time nothing happened; reset when something did."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+        self.delay = _MIN_SLEEP
+        self.slept = 0.0
+
+    def idle(self) -> None:
+        self.tries += 1
+        if self.tries <= _SPIN_TESTS:
+            return
+        time.sleep(self.delay)
+        self.slept += self.delay
+        self.delay = min(self.delay * 2, _MAX_SLEEP)
+
+    def reset(self) -> None:
+        self.tries, self.delay = 0, _MIN_SLEEP
+
+
+class Transport:
+    """Point-to-point and collective non-blocking messaging on one communicator."""
+
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.idle_seconds = 0.0
+
+    # ---------------------------------------------------------------- point to point
+    def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
+        request = self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag)
+        self.bytes_sent += len(data)
+        return Handle(request, data, dest, tag, key, count=len(data))
+
+    def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
+        buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
+        request = self.comm.Irecv([buf, nbytes, MPI.BYTE], source=source, tag=tag)
+        return Handle(request, buf, source, tag, key)
+
+    def repost(self, handle: Handle) -> Handle:
+        """Post the same receive again into the same buffer (after its payload was consumed)."""
+        return self.irecv(len(handle.buffer), handle.peer, handle.tag, handle.key, handle.buffer)
+
+    def _complete(self, handle: Handle) -> None:
+        handle.finished = time.perf_counter()
+        if handle.count < 0:  # a receive
+            handle.count = handle.status.Get_count(MPI.BYTE)
+            if handle.count == MPI.UNDEFINED or handle.count < 0:
+                handle.count = 0
+            self.bytes_received += handle.count
+
+    def test_some(self, handles: Sequence[Handle]) -> list[int]:
+        """Indices of the handles that completed now (each is reported once)."""
+        if not handles:
+            return []
+        statuses = [MPI.Status() for _ in handles]
+        done = MPI.Request.Testsome([h.request for h in handles], statuses)
+        if not done:
+            return []
+        for position, i in enumerate(done):
+            handles[i].status = statuses[position]  # statuses follow completion order, not request order
+            self._complete(handles[i])
+        return list(done)
+
+    def wait_some(self, handles: Sequence[Handle], timeout: float | None = None) -> list[int]:
+        """Block (with back-off) until at least one handle completes; [] on timeout or if none is active."""
+        if not handles:
+            return []
+        backoff = Backoff()
+        start = time.perf_counter()
+        while True:
+            done = self.test_some(handles)
+            if done:
+                self.idle_seconds += backoff.slept
+                return done
+            if all(h.request == MPI.REQUEST_NULL for h in handles):
+                return []
+            if timeout is not None and time.perf_counter() - start > timeout:
+                self.idle_seconds += backoff.slept
+                return []
+            backoff.idle()
+
+    def wait(self, handle: Handle) -> Handle:
+        """Block (with back-off) until ``handle`` completes."""
+        backoff = Backoff()
+        while not handle.request.Test(handle.status):
+            backoff.idle()
+        self._complete(handle)
+        self.idle_seconds += backoff.slept
+        return handle
+
+    def wait_all(self, handles: Sequence[Handle]) -> None:
+        for handle in handles:
+            if handle.finished == 0.0:
+                self.wait(handle)
+
+    def progress(self, handles: list[Handle]) -> list[Handle]:
+        """Drive MPI's progress engine and drop the handles that completed (cheap; call often)."""
+        if not handles:
+            return handles
+        done = set(self.test_some(handles))
+        return [h for i, h in enumerate(handles) if i not in done]
+
+    def cancel(self, handle: Handle) -> None:
+        """Cancel a posted receive that will never be matched."""
+        if handle.request != MPI.REQUEST_NULL:
+            handle.request.Cancel()
+            handle.request.Wait()
+
+    # ---------------------------------------------------------------- collectives
+    def iallgather_sizes(self, nbytes: int) -> tuple[MPI.Request, np.ndarray]:
+        sizes = np.zeros(self.size, dtype=np.int64)
+        request = self.comm.Iallgather([np.array([nbytes], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+        return request, sizes
+
+    def iallgatherv_bytes(self, data: bytes, sizes: np.ndarray) -> tuple[MPI.Request, bytearray, np.ndarray]:
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = bytearray(int(sizes.sum()))
+        request = self.comm.Iallgatherv(
+            [data, MPI.BYTE], [out, (sizes.tolist(), offsets.tolist()), MPI.BYTE]
+        )
+        self.bytes_sent += len(data) * (self.size - 1)
+        self.bytes_received += int(sizes.sum()) - len(data)
+        return request, out, offsets
+
+    def wait_request(self, request: MPI.Request) -> None:
+        backoff = Backoff()
+        while not request.Test():
+            backoff.idle()
+        self.idle_seconds += backoff.slept
+
+    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
+        """Sum a few floats over all ranks (waits with back-off)."""
+        send = np.asarray(values, dtype=np.float64)
+        out = np.zeros_like(send)
+        self.wait_request(self.comm.Iallreduce([send, MPI.DOUBLE], [out, MPI.DOUBLE], op=MPI.SUM))
+        return out
+
+    def barrier(self) -> None:
+        self.wait_request(self.comm.Ibarrier())
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """Broadcast a byte string (length first, then the bytes)."""
+        size = np.array([len(data) if data is not None else 0], dtype=np.int64)
+        self.wait_request(self.comm.Ibcast([size, MPI.INT64_T], root=root))
+        buf = bytearray(data) if self.rank == root and data is not None else bytearray(int(size[0]))
+        self.wait_request(self.comm.Ibcast([buf, MPI.BYTE], root=root))
+        return bytes(buf)
+
+    # ---------------------------------------------------------------- topology and failure
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its node (for picking a GPU)."""
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return node.Get_rank()
+        finally:
+            node.Free()
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole MPI job now (every rank), with ``code``."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(code)
+        os._exit(code)  # Abort does not return; this is for MPI stubs that do
+
+
+def world_size() -> int:
+    return MPI.COMM_WORLD.Get_size()
+
+
+def world_rank() -> int:
+    return MPI.COMM_WORLD.Get_rank()
