@@ -77,11 +77,17 @@ class RunConfig:
         need(self.feedback in FEEDBACKS, f"--feedback must be one of {FEEDBACKS}, got {self.feedback!r}")
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
-        need(self.schedule in ("constant", "multistep", "cosine"), f"--schedule must be constant, multistep or cosine, got {self.schedule!r}")
+        need(
+            self.schedule in ("constant", "multistep", "cosine"),
+            f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
+        )
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")
         need(self.topology in ("ps", "alltoall"), f"--topology must be ps or alltoall, got {self.topology!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
-        need(self.partition in ("random", "contiguous"), f"--partition must be random or contiguous, got {self.partition!r}")
+        need(
+            self.partition in ("random", "contiguous"),
+            f"--partition must be random or contiguous, got {self.partition!r}",
+        )
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
@@ -97,10 +103,20 @@ class RunConfig:
         need(self.lr_decay > 0, f"--lr-decay must be > 0, got {self.lr_decay}")
         need(self.synthetic_classes in (10, 100), f"synthetic classes must be 10 or 100, got {self.synthetic_classes}")
         need(self.synthetic_size >= self.batch_size, "--synthetic-size must be at least --batch-size")
-        need(self.dataset in ("synthetic", "cifar10", "cifar100"), f"--dataset must be synthetic, cifar10 or cifar100, got {self.dataset!r}")
+        need(
+            self.dataset in ("synthetic", "cifar10", "cifar100"),
+            f"--dataset must be synthetic, cifar10 or cifar100, got {self.dataset!r}",
+        )
         need(not (self.mode == "async" and self.topology == "alltoall"), "--mode async needs the ps topology")
-        need(not (self.feedback == "dgc" and self.momentum > 0 and self.optimizer == "sgd" and not self.extra.get("allow_double_momentum")),
-             "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD")
+        need(
+            not (
+                self.feedback == "dgc"
+                and self.momentum > 0
+                and self.optimizer == "sgd"
+                and not self.extra.get("allow_double_momentum")
+            ),
+            "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD",
+        )
         return self
 
     @property

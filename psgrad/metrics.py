@@ -50,7 +50,16 @@ class StepAggregator:
 class MetricsLog:
     """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar."""
 
-    def __init__(self, log_dir: str | None, total_steps: int, start_step: int, steps_per_epoch: int, label: str, tensorboard: bool = False, progress: bool = True) -> None:
+    def __init__(
+        self,
+        log_dir: str | None,
+        total_steps: int,
+        start_step: int,
+        steps_per_epoch: int,
+        label: str,
+        tensorboard: bool = False,
+        progress: bool = True,
+    ) -> None:
         self.dir = Path(log_dir) if log_dir else None
         self.steps_per_epoch = steps_per_epoch
         self.rows: list[dict] = []
@@ -76,7 +85,15 @@ class MetricsLog:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc=label,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
 
     def step(self, row: dict) -> None:
         row["epoch"] = row["step"] / max(1, self.steps_per_epoch)
@@ -90,7 +107,10 @@ class MetricsLog:
                     self.tb.add_scalar(f"train/{key}", row[key], row["step"])
         if self.bar:
             mb = (row["bytes_up"] + row["bytes_down"]) / 1e6
-            self.bar.set_postfix_str(f"epoch {row['epoch']:.2f} loss {row['loss']:.3f} {row['it_per_s']:.2f} it/s {mb:.2f} MB/step", refresh=False)
+            self.bar.set_postfix_str(
+                f"epoch {row['epoch']:.2f} loss {row['loss']:.3f} {row['it_per_s']:.2f} it/s {mb:.2f} MB/step",
+                refresh=False,
+            )
             self.bar.update(1)
 
     def evaluation(self, row: dict) -> None:

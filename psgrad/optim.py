@@ -16,7 +16,15 @@ from .config import RunConfig
 class LayerOptimizer:
     """``step(key, param, grad, lr)`` updates ``param`` in place; state is per key."""
 
-    def __init__(self, kind: str = "sgd", momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        kind: str = "sgd",
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
         if kind not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, got {kind!r}")
         if nesterov and momentum <= 0:

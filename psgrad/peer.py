@@ -28,7 +28,15 @@ from .worker import StepStats, message_seed
 
 
 class PeerWorker:
-    def __init__(self, model: nn.Module, transport: Transport, layers: list[Layer], cfg: RunConfig, feedback: NoFeedback, steps_per_epoch: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        transport: Transport,
+        layers: list[Layer],
+        cfg: RunConfig,
+        feedback: NoFeedback,
+        steps_per_epoch: int,
+    ) -> None:
         self.model, self.layers, self.cfg, self.feedback = model, layers, cfg, feedback
         self.world = transport
         self.sizes_comm = Transport(transport.comm.Dup())
@@ -56,7 +64,11 @@ class PeerWorker:
 
     def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
         start = time.perf_counter()
-        msg = self.feedback.encode(layer.name, grad.detach().reshape(layer.shape), message_seed(self.cfg.seed, self.step, layer.index, self.rank))
+        msg = self.feedback.encode(
+            layer.name,
+            grad.detach().reshape(layer.shape),
+            message_seed(self.cfg.seed, self.step, layer.index, self.rank),
+        )
         msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step, layer.name, self.rank
         self.ready[layer.index] = wire.dumps(msg)
         self.stats.encode += time.perf_counter() - start
@@ -95,7 +107,9 @@ class PeerWorker:
         for peer in range(self.size):
             msg = wire.loads(view[int(offsets[peer]) : int(offsets[peer]) + int(sizes[peer])])
             if msg.kind != "grad" or msg.layer != layer.name or msg.step != self.step or msg.sender != peer:
-                raise RuntimeError(f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step}")
+                raise RuntimeError(
+                    f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step}"
+                )
             make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
         self.stats.decode += time.perf_counter() - start
         self.stats.bytes_down += int(sum(sizes)) - len(self.ready[layer.index])
@@ -116,7 +130,12 @@ class PeerWorker:
         loss.backward()
         for layer in self.layers:
             if layer.index not in self.ready:
-                parts = [(self.params[n].grad if self.params[n].grad is not None else torch.zeros_like(self.params[n])).reshape(-1) for n in layer.params]
+                parts = [
+                    (
+                        self.params[n].grad if self.params[n].grad is not None else torch.zeros_like(self.params[n])
+                    ).reshape(-1)
+                    for n in layer.params
+                ]
                 self._encode(layer, torch.cat(parts))
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: exchanging gradients"

@@ -34,7 +34,17 @@ _CONTROL_BYTES = 4096
 class ParameterServer:
     """Serves the layers this rank owns; ``run()`` returns when every worker sent ``stop``."""
 
-    def __init__(self, transport: Transport, roles: Roles, layers: list[Layer], cfg: RunConfig, values: dict[int, torch.Tensor], steps_per_epoch: int, start_step: int = 0, buffers_size: int = 0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        roles: Roles,
+        layers: list[Layer],
+        cfg: RunConfig,
+        values: dict[int, torch.Tensor],
+        steps_per_epoch: int,
+        start_step: int = 0,
+        buffers_size: int = 0,
+    ) -> None:
         self.transport, self.roles, self.cfg = transport, roles, cfg
         self.rank = transport.rank
         self.layers = layers
@@ -78,13 +88,17 @@ class ParameterServer:
             self._post(("control", w), _CONTROL_BYTES, w, TAG_CONTROL)
             if self.rank == 0:
                 self._post(("stats", w), _CONTROL_BYTES, w, TAG_STATS)
-                self._post(("buffers", w), wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"), w, TAG_BUFFERS)
+                self._post(
+                    ("buffers", w), wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"), w, TAG_BUFFERS
+                )
         for layer in self.owned:
             self._reply(layer, self.workers)
 
     def _reply(self, layer: Layer, workers: list[int]) -> None:
         step = self.layer_step[layer.index]
-        msg = self.down_codec.encode(self.values[layer.index].view(layer.shape), seed=message_seed(self.cfg.seed, step, layer.index, self.rank))
+        msg = self.down_codec.encode(
+            self.values[layer.index].view(layer.shape), seed=message_seed(self.cfg.seed, step, layer.index, self.rank)
+        )
         msg.kind, msg.step, msg.layer, msg.sender = "params", step, layer.name, self.rank
         data = wire.dumps(msg)
         for w in workers:
@@ -146,7 +160,9 @@ class ParameterServer:
     def _on_grad(self, worker: int, layer: Layer, msg) -> None:
         expected = self.worker_step[worker] if self.cfg.mode == "async" else self.layer_step[layer.index]
         if msg.kind != "grad" or msg.layer != layer.name or msg.step != expected or tuple(msg.shape) != layer.shape:
-            raise RuntimeError(f"rank {worker} sent {msg.kind} for {msg.layer!r} step {msg.step} shape {tuple(msg.shape)}; expected grad for {layer.name!r} step {expected} shape {layer.shape}")
+            raise RuntimeError(
+                f"rank {worker} sent {msg.kind} for {msg.layer!r} step {msg.step} shape {tuple(msg.shape)}; expected grad for {layer.name!r} step {expected} shape {layer.shape}"
+            )
         start = time.perf_counter()
         if self.cfg.mode == "async":
             grad = torch.zeros(layer.numel)
@@ -207,7 +223,9 @@ class ParameterServer:
 
     def _on_buffers(self, worker: int, msg) -> None:
         if msg.kind != "buffers" or msg.numel != self.buffers_size:
-            raise RuntimeError(f"rank {worker} sent {msg.kind} of {msg.numel} values, expected buffers of {self.buffers_size}")
+            raise RuntimeError(
+                f"rank {worker} sent {msg.kind} of {msg.numel} values, expected buffers of {self.buffers_size}"
+            )
         entry = self._buffer_acc.setdefault(msg.step, [torch.zeros(self.buffers_size), 0])
         make_codec("none").decode_add(msg, entry[0], alpha=1.0 / self.num_workers)
         entry[1] += 1
@@ -226,4 +244,6 @@ class ParameterServer:
         for key, tensor in state.items():
             if key.startswith("value/"):
                 self.values[int(key.removeprefix("value/"))].copy_(tensor)
-        self.optimizer.load_state_dict({k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")})
+        self.optimizer.load_state_dict(
+            {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
+        )

@@ -108,7 +108,9 @@ def _load_resume(cfg: RunConfig, transport: Transport) -> dict | None:
         return None
     path = Path(cfg.resume) / f"rank{transport.rank}.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"--resume {cfg.resume}: no {path.name} for rank {transport.rank} (was the run started with the same number of ranks?)")
+        raise FileNotFoundError(
+            f"--resume {cfg.resume}: no {path.name} for rank {transport.rank} (was the run started with the same number of ranks?)"
+        )
     state = torch.load(path, weights_only=True)
     steps = transport.allreduce_sum([int(state["step"]), 1])
     if steps[0] != int(state["step"]) * steps[1]:
@@ -116,7 +118,14 @@ def _load_resume(cfg: RunConfig, transport: Transport) -> dict | None:
     return state
 
 
-def run(cfg: RunConfig, model_fn: Callable[[], nn.Module] | None = None, loader_fn: Callable[[int, int], object] | None = None, eval_data: Iterable | None = None, loss_fn: LossFn = F.cross_entropy, transport: Transport | None = None) -> RunResult:
+def run(
+    cfg: RunConfig,
+    model_fn: Callable[[], nn.Module] | None = None,
+    loader_fn: Callable[[int, int], object] | None = None,
+    eval_data: Iterable | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+    transport: Transport | None = None,
+) -> RunResult:
     """Train under MPI: call on every rank (``mpiexec -n 3 python my_script.py``).
 
     ``model_fn`` builds the model (identically on every rank; default from ``cfg.model``),
@@ -143,7 +152,13 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, sta
     roles = Roles(transport.size, cfg.servers, cfg.topology)
     rank, workers = transport.rank, roles.num_workers
     torch.manual_seed(cfg.seed)  # same initial model on every rank
-    model = model_fn() if model_fn else build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
+    model = (
+        model_fn()
+        if model_fn
+        else build_model(
+            cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
+        )
+    )
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     layers = plan_layers(named, cfg.granularity, cfg.servers if cfg.topology == "ps" else 1)
     is_server = roles.is_server(rank)
@@ -158,8 +173,12 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, sta
             loader = loader_fn(worker_index, workers)
             loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
         else:
-            train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed)
-            loader = ShardLoader(train_set, cfg.dataset, worker_index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment)
+            train_set = load_dataset(
+                cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+            )
+            loader = ShardLoader(
+                train_set, cfg.dataset, worker_index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
+            )
     spe_sum = transport.allreduce_sum([0 if loader is None else loader.steps_per_epoch])[0]
     spe = int(spe_sum // workers)
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
@@ -168,37 +187,59 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, sta
     if start >= total:
         raise ValueError(f"--resume is at step {start}, nothing left of {total} steps")
 
+    pids = transport.all_pids()
     if rank == 0:
+        names = ", ".join(f"{r}={'server' if roles.is_server(r) else 'worker'}:{pid}" for r, pid in enumerate(pids))
+        print(f"[psgrad] rank=role:pid {names}", file=sys.stderr)
         cfg_dir = cfg.log_dir
         if cfg_dir:
             cfg.save(cfg_dir)
-        print(f"[psgrad] {transport.size} ranks ({len(roles.server_ranks)} server, {workers} worker), topology {cfg.topology}, mode {cfg.mode}, "
-              f"model {cfg.model if model_fn is None else type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, {len(layers)} messages/step), "
-              f"data {label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, steps {start}..{total} ({spe} per epoch)", file=sys.stderr)
+        print(
+            f"[psgrad] {transport.size} ranks ({len(roles.server_ranks)} server, {workers} worker), topology {cfg.topology}, mode {cfg.mode}, "
+            f"model {cfg.model if model_fn is None else type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, {len(layers)} messages/step), "
+            f"data {label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, steps {start}..{total} ({spe} per epoch)",
+            file=sys.stderr,
+        )
 
     if cfg.topology == "alltoall":
-        return _run_peer(cfg, model, layers, loader, transport, state, loss_fn, spe, total, start, resume, eval_data, label)
+        return _run_peer(
+            cfg, model, layers, loader, transport, state, loss_fn, spe, total, start, resume, eval_data, label
+        )
     if is_server:
-        return _run_server(cfg, model, layers, roles, transport, state, loss_fn, spe, total, start, resume, eval_data, label)
+        return _run_server(
+            cfg, model, layers, roles, transport, state, loss_fn, spe, total, start, resume, eval_data, label
+        )
     return _run_worker(cfg, model, layers, roles, loader, transport, state, loss_fn, spe, total, start, resume)
 
 
 def _eval_source(cfg: RunConfig, eval_data, label: str):
     if eval_data is not None:
         return lambda: eval_data
-    test_set: ImageSet = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed)
+    test_set: ImageSet = load_dataset(
+        cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+    )
     return lambda: eval_batches(test_set, cfg.dataset)
 
 
-def _run_server(cfg, model, layers, roles, transport, state, loss_fn, spe, total, start, resume, eval_data, label) -> RunResult:
+def _run_server(
+    cfg, model, layers, roles, transport, state, loss_fn, spe, total, start, resume, eval_data, label
+) -> RunResult:
     rank = transport.rank
     params = dict(model.named_parameters())
-    values = {layer.index: torch.cat([params[n].detach().reshape(-1) for n in layer.params]).clone() for layer in layers if layer.owner == rank}
+    values = {
+        layer.index: torch.cat([params[n].detach().reshape(-1) for n in layer.params]).clone()
+        for layer in layers
+        if layer.owner == rank
+    }
     server = ParameterServer(transport, roles, layers, cfg, values, spe, start, buffers_vector(model).numel())
     state["role"] = server
     if resume:
         server.load_state_dict(resume["server"])
-    log = MetricsLog(cfg.log_dir, total, start, spe, f"psgrad {label}", cfg.tensorboard, cfg.progress) if rank == 0 else None
+    log = (
+        MetricsLog(cfg.log_dir, total, start, spe, f"psgrad {label}", cfg.tensorboard, cfg.progress)
+        if rank == 0
+        else None
+    )
     can_eval = rank == 0 and len(roles.server_ranks) == 1
     batches = _eval_source(cfg, eval_data, label) if can_eval else None
     aggregator = StepAggregator(roles.num_workers)
@@ -221,13 +262,25 @@ def _run_server(cfg, model, layers, roles, transport, state, loss_fn, spe, total
         load_model()
         load_buffers_vector(model, entry["buffers"])
         test_loss, test_acc = evaluate(model, batches(), loss_fn)
-        log.evaluation({"epoch": round((step + 1) / spe, 4), "step": step + 1, "test_loss": test_loss, "test_acc": test_acc, "dataset": label})
+        log.evaluation(
+            {
+                "epoch": round((step + 1) / spe, 4),
+                "step": step + 1,
+                "test_loss": test_loss,
+                "test_acc": test_acc,
+                "dataset": label,
+            }
+        )
 
     def on_stats(worker: int, record: dict) -> None:
         row = aggregator.add(record)
         if row is not None:
             row["lr"] = learning_rate(cfg, row["step"], spe, roles.num_workers)
-            row["server_decode"], row["server_apply"], row["server_idle"] = server.times["decode"], server.times["apply"], server.times["idle"]
+            row["server_decode"], row["server_apply"], row["server_idle"] = (
+                server.times["decode"],
+                server.times["apply"],
+                server.times["idle"],
+            )
             log.step(row)
 
     def on_buffers(step: int, flat: torch.Tensor) -> None:
@@ -247,7 +300,14 @@ def _run_server(cfg, model, layers, roles, transport, state, loss_fn, spe, total
     server.run()
     if can_eval:
         load_model()
-    result = RunResult("server", rank, total, log.rows if log else [], log.evals if log else [], {n: p.detach().clone() for n, p in params.items()} if can_eval else {})
+    result = RunResult(
+        "server",
+        rank,
+        total,
+        log.rows if log else [],
+        log.evals if log else [],
+        {n: p.detach().clone() for n, p in params.items()} if can_eval else {},
+    )
     if log:
         log.close()
         _summary(result, cfg, label)
@@ -258,7 +318,20 @@ def _run_worker(cfg, model, layers, roles, loader, transport, state, loss_fn, sp
     rank = transport.rank
     device = _device(cfg, transport)
     model.to(device)
-    feedback = make_feedback(cfg.feedback, make_codec(cfg.codec), **({"momentum": cfg.dgc_momentum, "nesterov": cfg.nesterov, "clip_norm": cfg.dgc_clip_norm, "warmup_epochs": cfg.dgc_warmup_epochs} if cfg.feedback == "dgc" else {}))
+    feedback = make_feedback(
+        cfg.feedback,
+        make_codec(cfg.codec),
+        **(
+            {
+                "momentum": cfg.dgc_momentum,
+                "nesterov": cfg.nesterov,
+                "clip_norm": cfg.dgc_clip_norm,
+                "warmup_epochs": cfg.dgc_warmup_epochs,
+            }
+            if cfg.feedback == "dgc"
+            else {}
+        ),
+    )
     if resume:
         feedback.load_state_dict(resume["feedback"])
         load_buffers_vector(model, resume["buffers"])
@@ -274,12 +347,22 @@ def _run_worker(cfg, model, layers, roles, loader, transport, state, loss_fn, sp
         if _is_eval_step(cfg, step, spe, total):
             worker.send_buffers(step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total:
-            _save({"step": step + 1, "feedback": feedback.state_dict(), "buffers": buffers_vector(model), "rng": torch.get_rng_state()}, _checkpoint_path(cfg, step + 1, rank))
+            _save(
+                {
+                    "step": step + 1,
+                    "feedback": feedback.state_dict(),
+                    "buffers": buffers_vector(model),
+                    "rng": torch.get_rng_state(),
+                },
+                _checkpoint_path(cfg, step + 1, rank),
+            )
     worker.stop()
     return RunResult("worker", rank, total, params={n: p.detach().cpu().clone() for n, p in model.named_parameters()})
 
 
-def _run_peer(cfg, model, layers, loader, transport, state, loss_fn, spe, total, start, resume, eval_data, label) -> RunResult:
+def _run_peer(
+    cfg, model, layers, loader, transport, state, loss_fn, spe, total, start, resume, eval_data, label
+) -> RunResult:
     from .peer import PeerWorker
 
     rank = transport.rank
@@ -288,18 +371,43 @@ def _run_peer(cfg, model, layers, loader, transport, state, loss_fn, spe, total,
         raise ValueError("--resume is not supported with --topology alltoall yet")
     peer = PeerWorker(model, transport, layers, cfg, feedback, spe)
     state["role"] = peer
-    log = MetricsLog(cfg.log_dir, total, start, spe, f"psgrad {label} alltoall", cfg.tensorboard, cfg.progress) if rank == 0 else None
+    log = (
+        MetricsLog(cfg.log_dir, total, start, spe, f"psgrad {label} alltoall", cfg.tensorboard, cfg.progress)
+        if rank == 0
+        else None
+    )
     last = time.perf_counter()
     for step in range(start, total):
         feedback.set_epoch(step // max(1, spe))
         images, labels = loader.batch(step)
         s = peer.train_step(step, images, labels, loss_fn)
-        sums = transport.allreduce_sum([s.loss, s.bytes_up, s.bytes_down, s.forward, s.backward, s.encode, s.push_wait, s.decode, s.apply, s.step_time])
+        sums = transport.allreduce_sum(
+            [
+                s.loss,
+                s.bytes_up,
+                s.bytes_down,
+                s.forward,
+                s.backward,
+                s.encode,
+                s.push_wait,
+                s.decode,
+                s.apply,
+                s.step_time,
+            ]
+        )
         now = time.perf_counter()
         if log:
             n = transport.size
             keys = ("forward", "backward", "encode", "push_wait", "decode", "apply", "step_time")
-            row = {"step": step, "loss": sums[0] / n, "bytes_up": int(sums[1]), "bytes_down": int(sums[2]), "it_per_s": 1 / max(1e-9, now - last), "pull_wait": 0.0, "lr": learning_rate(cfg, step, spe, n)}
+            row = {
+                "step": step,
+                "loss": sums[0] / n,
+                "bytes_up": int(sums[1]),
+                "bytes_down": int(sums[2]),
+                "it_per_s": 1 / max(1e-9, now - last),
+                "pull_wait": 0.0,
+                "lr": learning_rate(cfg, step, spe, n),
+            }
             row.update({k: sums[3 + i] / n for i, k in enumerate(keys)})
             log.step(row)
         last = now
@@ -307,11 +415,28 @@ def _run_peer(cfg, model, layers, loader, transport, state, loss_fn, spe, total,
             # BatchNorm statistics averaged over ranks, then rank 0 evaluates
             flat = buffers_vector(model)
             if flat.numel():
-                load_buffers_vector(model, torch.from_numpy(transport.allreduce_sum(flat.double().numpy())).float() / transport.size)
+                load_buffers_vector(
+                    model, torch.from_numpy(transport.allreduce_sum(flat.double().numpy())).float() / transport.size
+                )
             if log:
                 test_loss, test_acc = evaluate(model, _eval_source(cfg, eval_data, label)(), loss_fn)
-                log.evaluation({"epoch": round((step + 1) / spe, 4), "step": step + 1, "test_loss": test_loss, "test_acc": test_acc, "dataset": label})
-    result = RunResult("peer", rank, total, log.rows if log else [], log.evals if log else [], {n: p.detach().clone() for n, p in model.named_parameters()})
+                log.evaluation(
+                    {
+                        "epoch": round((step + 1) / spe, 4),
+                        "step": step + 1,
+                        "test_loss": test_loss,
+                        "test_acc": test_acc,
+                        "dataset": label,
+                    }
+                )
+    result = RunResult(
+        "peer",
+        rank,
+        total,
+        log.rows if log else [],
+        log.evals if log else [],
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+    )
     if log:
         log.close()
         _summary(result, cfg, label)
@@ -326,4 +451,7 @@ def _summary(result: RunResult, cfg: RunConfig, label: str) -> None:
     its = len(tail) / max(1e-9, sum(1 / r["it_per_s"] for r in tail))
     mb = sum(r["bytes_up"] + r["bytes_down"] for r in tail) / len(tail) / 1e6
     acc = f", test accuracy {result.evals[-1]['test_acc']:.4f}" if result.evals else ""
-    print(f"[psgrad] done: {len(rows)} steps, final loss {rows[-1]['loss']:.4f}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]", file=sys.stderr)
+    print(
+        f"[psgrad] done: {len(rows)} steps, final loss {rows[-1]['loss']:.4f}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
+        file=sys.stderr,
+    )

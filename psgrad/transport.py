@@ -176,9 +176,7 @@ class Transport:
     def iallgatherv_bytes(self, data: bytes, sizes: np.ndarray) -> tuple[MPI.Request, bytearray, np.ndarray]:
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         out = bytearray(int(sizes.sum()))
-        request = self.comm.Iallgatherv(
-            [data, MPI.BYTE], [out, (sizes.tolist(), offsets.tolist()), MPI.BYTE]
-        )
+        request = self.comm.Iallgatherv([data, MPI.BYTE], [out, (sizes.tolist(), offsets.tolist()), MPI.BYTE])
         self.bytes_sent += len(data) * (self.size - 1)
         self.bytes_received += int(sizes.sum()) - len(data)
         return request, out, offsets
@@ -195,6 +193,14 @@ class Transport:
         out = np.zeros_like(send)
         self.wait_request(self.comm.Iallreduce([send, MPI.DOUBLE], [out, MPI.DOUBLE], op=MPI.SUM))
         return out
+
+    def all_pids(self) -> list[int]:
+        """Every rank's process id (so MPI's "PID n killed" messages can be mapped to ranks)."""
+        pids = np.zeros(self.size, dtype=np.int64)
+        self.wait_request(
+            self.comm.Iallgather([np.array([os.getpid()], dtype=np.int64), MPI.INT64_T], [pids, MPI.INT64_T])
+        )
+        return pids.tolist()
 
     def barrier(self) -> None:
         self.wait_request(self.comm.Ibarrier())

@@ -76,7 +76,16 @@ def control_message(op: str, sender: int, step: int = 0, **meta) -> Message:
 class Worker:
     """Trains ``model`` through the parameter servers; see the module docstring."""
 
-    def __init__(self, model: nn.Module, transport: Transport, roles: Roles, layers: list[Layer], cfg: RunConfig, feedback: NoFeedback, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        transport: Transport,
+        roles: Roles,
+        layers: list[Layer],
+        cfg: RunConfig,
+        feedback: NoFeedback,
+        device: torch.device,
+    ) -> None:
         self.model, self.transport, self.roles, self.layers, self.cfg = model, transport, roles, layers, cfg
         self.feedback, self.device = feedback, device
         self.rank = transport.rank
@@ -108,7 +117,9 @@ class Worker:
         """Post receives for the parameters the servers will send for ``step``."""
         self.pull_step = step
         for layer in self.layers:
-            self.pulls[layer.index] = self.transport.irecv(self.bounds[layer.index], layer.owner, layer_tag(layer.index), layer.index, self.buffers[layer.index])
+            self.pulls[layer.index] = self.transport.irecv(
+                self.bounds[layer.index], layer.owner, layer_tag(layer.index), layer.index, self.buffers[layer.index]
+            )
 
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
@@ -129,7 +140,9 @@ class Worker:
         layer = self.layers[index]
         msg = wire.loads(handle.payload(), max_bytes=self.bounds[index])
         if msg.kind != "params" or msg.layer != layer.name or msg.step != self.pull_step or msg.sender != layer.owner:
-            raise RuntimeError(f"expected params of {layer.name!r} for step {self.pull_step} from rank {layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} from rank {msg.sender}")
+            raise RuntimeError(
+                f"expected params of {layer.name!r} for step {self.pull_step} from rank {layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} from rank {msg.sender}"
+            )
         values = self.down_codec.decode(msg).view(-1)
         mid = time.perf_counter()
         with torch.no_grad():
@@ -156,7 +169,11 @@ class Worker:
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
         """Encode ``grad`` of ``layer`` (feedback -> codec -> wire) and isend it to its server."""
         start = time.perf_counter()
-        msg = self.feedback.encode(layer.name, grad.detach().reshape(layer.shape), message_seed(self.cfg.seed, self.step, layer.index, self.rank))
+        msg = self.feedback.encode(
+            layer.name,
+            grad.detach().reshape(layer.shape),
+            message_seed(self.cfg.seed, self.step, layer.index, self.rank),
+        )
         msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step, layer.name, self.rank
         data = wire.dumps(msg)
         self.sends.append(self.transport.isend(data, layer.owner, layer_tag(layer.index)))
@@ -222,7 +239,9 @@ class Worker:
         self.doing = "stopping"
         self.finish_pulls()
         for server in self.roles.server_ranks:
-            self.sends.append(self.transport.isend(wire.dumps(control_message("stop", self.rank, self.step)), server, TAG_CONTROL))
+            self.sends.append(
+                self.transport.isend(wire.dumps(control_message("stop", self.rank, self.step)), server, TAG_CONTROL)
+            )
         self.transport.wait_all(self.sends)
         self.sends = []
         for hook in self._hooks:

@@ -9,3 +9,37 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device on this machine")
     return torch.device(request.param)
+
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (pip MPICH) or on PATH (system MPI)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec found (bash launch/setup.sh installs MPICH)")
+    return found
+
+
+def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` under ``mpiexec -n n``; a hang fails the test at ``timeout`` instead of stalling CI."""
+    cmd = [mpiexec(), "-n", str(n), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+
+
+def run_script(name: str, *args: str, n: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:
+    return run_mpi([sys.executable, str(SCRIPTS / name), *args], n=n, timeout=timeout)

@@ -14,7 +14,14 @@ STDS = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762
 __all__ = ["ImageSet", "ShardLoader", "load_dataset", "load_cifar", "make_synthetic", "normalize", "augment"]
 
 
-def load_dataset(name: str, split: str, data_dir: str = "data", synthetic_classes: int = 10, synthetic_size: int = 2048, seed: int = 0) -> ImageSet:
+def load_dataset(
+    name: str,
+    split: str,
+    data_dir: str = "data",
+    synthetic_classes: int = 10,
+    synthetic_size: int = 2048,
+    seed: int = 0,
+) -> ImageSet:
     if name == "synthetic":
         size = synthetic_size if split == "train" else max(256, synthetic_size // 4)
         return make_synthetic(synthetic_classes, size, seed, split)
@@ -60,11 +67,23 @@ class ShardLoader:
        incomplete batch is dropped. Augmentation draws from (seed, epoch, worker, i).
     """
 
-    def __init__(self, data: ImageSet, dataset: str, worker: int, workers: int, batch_size: int, seed: int, partition: str = "random", augment: bool = True) -> None:
+    def __init__(
+        self,
+        data: ImageSet,
+        dataset: str,
+        worker: int,
+        workers: int,
+        batch_size: int,
+        seed: int,
+        partition: str = "random",
+        augment: bool = True,
+    ) -> None:
         n = len(data.labels)
         self.per_worker = n // workers
         if self.per_worker < batch_size:
-            raise ValueError(f"{data.name}: {n} samples over {workers} workers is fewer than one batch of {batch_size} each")
+            raise ValueError(
+                f"{data.name}: {n} samples over {workers} workers is fewer than one batch of {batch_size} each"
+            )
         self.images = torch.from_numpy(data.images)
         self.labels = torch.from_numpy(data.labels)
         self.dataset, self.worker, self.workers = dataset, worker, workers

@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 
 LAYOUTS = {
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels", "cifar-10-python.tar.gz"),
+    "cifar10": (
+        "cifar-10-batches-py",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        "test_batch",
+        b"labels",
+        "cifar-10-python.tar.gz",
+    ),
     "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", "cifar-100-python.tar.gz"),
 }
 _ALLOWED = {
@@ -71,7 +77,9 @@ def load_cifar(dataset: str, data_dir: str | Path, split: str) -> ImageSet:
         for member in members:
             path = root / folder / member
             if not path.is_file():
-                raise FileNotFoundError(f"{dataset}: expected {path} (download {archive} from {URL_HINT} and extract it in {root})")
+                raise FileNotFoundError(
+                    f"{dataset}: expected {path} (download {archive} from {URL_HINT} and extract it in {root})"
+                )
             raws.append((str(path), path.read_bytes()))
     elif (root / archive).is_file():
         with tarfile.open(root / archive, "r:gz") as tar:

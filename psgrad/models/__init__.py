@@ -13,7 +13,9 @@ from .small import MLP, ConvNet
 from .wideresnet import WideResNet
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
-    "wrn": lambda num_classes, depth=16, widen_factor=4, dropout=0.0, **_: WideResNet(depth, widen_factor, num_classes, dropout),
+    "wrn": lambda num_classes, depth=16, widen_factor=4, dropout=0.0, **_: WideResNet(
+        depth, widen_factor, num_classes, dropout
+    ),
     "resnet9": lambda num_classes, **_: ResNet9(num_classes),
     "alexnet": lambda num_classes, **_: AlexNet(num_classes),
     "resnet20": lambda num_classes, **_: ResNet20(num_classes),

@@ -1,0 +1,144 @@
+"""The parameter server under `mpiexec -n 3` (each run has a timeout: a hang fails)."""
+
+import json
+import re
+import time
+
+import pytest
+import torch
+from conftest import run_mpi, run_script
+
+from psgrad.roles import Roles, plan_layers, shard_layers
+
+
+def _ok(proc, marker):
+    assert proc.returncode == 0 and marker in proc.stdout, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--nesterov"], ["--model-granularity"]], ids=["sgd", "nesterov", "model-granularity"]
+)
+def test_none_codec_through_server_equals_averaged_sgd(flags):
+    _ok(run_script("reference.py", *flags), "REFERENCE OK")
+
+
+def test_every_codec_trains_with_and_without_error_feedback():
+    specs = [
+        "none",
+        "fp16",
+        "topk:ratio=0.05",
+        "randomk:ratio=0.25",
+        "threshold:v=0.001",
+        "terngrad",
+        "qsgd:levels=8",
+        "sign",
+        "svd:rank=2",
+    ]
+    configs = [{"codec": s, "lr": 0.005 if s.startswith("sign") or s.startswith("terngrad") else 0.02} for s in specs]
+    configs += [
+        {"codec": s, "feedback": "ef", "lr": 0.005 if s == "sign" else 0.02}
+        for s in ("topk:ratio=0.02", "sign", "svd:rank=1", "threshold:v=0.01")
+    ]
+    configs += [{"codec": "topk:ratio=0.01", "feedback": "dgc", "momentum": 0.0, "lr": 0.02}]
+    configs += [{"codec": "none", "down_codec": "fp16"}, {"codec": "qsgd", "down_codec": "qsgd:levels=64"}]
+    proc = run_script("converge.py", *[json.dumps(c) for c in configs], timeout=400)
+    _ok(proc, "CONVERGE OK")
+
+
+def test_async_and_alltoall_converge():
+    configs = [
+        {"mode": "async", "staleness": 0},
+        {"mode": "async", "staleness": 2, "codec": "qsgd"},
+        {"topology": "alltoall"},
+        {"topology": "alltoall", "codec": "topk:ratio=0.05", "feedback": "ef"},
+        {"servers": 2, "codec": "qsgd"},
+        {"granularity": "model", "codec": "topk:ratio=0.05", "feedback": "ef"},
+    ]
+    _ok(run_script("converge.py", *[json.dumps(c) for c in configs], timeout=300), "CONVERGE OK")
+
+
+@pytest.mark.parametrize("codec", ["topk:ratio=0.1", "none"])
+def test_two_servers_equal_one_server(tmp_path, codec):
+    one = run_script("save_params.py", str(tmp_path / "one.pt"), codec, "1", n=2)
+    two = run_script("save_params.py", str(tmp_path / "two.pt"), codec, "2", n=3)
+    _ok(one, "SAVED")
+    _ok(two, "SAVED")
+    a, b = torch.load(tmp_path / "one.pt", weights_only=True), torch.load(tmp_path / "two.pt", weights_only=True)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_clean_shutdown_and_metrics(tmp_path):
+    proc = run_mpi(
+        [
+            __import__("sys").executable,
+            "-m",
+            "psgrad",
+            "train",
+            "--model",
+            "mlp",
+            "--steps",
+            "12",
+            "--batch-size",
+            "8",
+            "--synthetic-size",
+            "256",
+            "--no-progress",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0].startswith("step,epoch,loss,it_per_s,bytes_up,bytes_down")
+    assert len(lines) == 13
+    row = dict(zip(lines[0].split(","), lines[-1].split(",")))
+    assert (
+        int(row["bytes_up"]) > 2 * 4 * 197322 and int(row["bytes_down"]) > 2 * 4 * 197322
+    )  # two workers, fp32 both ways
+    assert json.loads((tmp_path / "config.json").read_text())["model"] == "mlp"
+    assert "synthetic" in proc.stderr
+
+
+def test_mpmd_server_and_worker_commands():
+    py = __import__("sys").executable
+    args = ["--model", "mlp", "--steps", "4", "--batch-size", "8", "--synthetic-size", "256", "--no-progress"]
+    proc = run_mpi(
+        [py, "-m", "psgrad", "server", *args, ":", "-n", "2", py, "-m", "psgrad", "worker", *args], n=1, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bad = run_mpi(
+        [py, "-m", "psgrad", "worker", *args, ":", "-n", "2", py, "-m", "psgrad", "worker", *args], n=1, timeout=120
+    )
+    assert bad.returncode != 0 and "which is a server rank" in bad.stderr
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_worker_ends_the_job_quickly(how):
+    start = time.monotonic()
+    proc = run_script("fault.py", how, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    if how == "raise":
+        assert "[psgrad rank 2] ValueError while" in proc.stderr and "injected failure" in proc.stderr
+    else:  # MPI names the killed PID; psgrad's start-up line maps it to the rank
+        output = proc.stdout + proc.stderr
+        pid = re.search(r"2=worker:(\d+)", output).group(1)
+        assert re.search(rf"PID {pid}\b.*|killed.*{pid}", output, re.S | re.I), output[-3000:]
+    assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+
+
+def test_shard_layers_balances_sizes():
+    owners = shard_layers([100, 10, 60, 50, 5], 2)
+    loads = [sum(s for s, o in zip([100, 10, 60, 50, 5], owners) if o == k) for k in range(2)]
+    assert owners[0] != owners[2] and max(loads) - min(loads) <= 15
+
+
+def test_roles_and_plan():
+    roles = Roles(4, 2)
+    assert roles.server_ranks == [0, 1] and roles.worker_ranks == [2, 3]
+    with pytest.raises(ValueError, match="start at least 3 ranks"):
+        Roles(2, 2)
+    layers = plan_layers([("a", (3, 4)), ("b", (4,))], "model", 1)
+    assert len(layers) == 1 and layers[0].shape == (16,)
