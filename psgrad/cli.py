@@ -261,3 +261,19 @@ def server(**options) -> None:
 def worker(**options) -> None:
     """The worker part of an MPMD launch (same options as the server part)."""
     _train("worker", options)
+
+
+@main.command()
+@click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", default="psgrad.png", type=click.Path(dir_okay=False), help="PNG file to write.")
+def plot(log_dirs: tuple[str, ...], output: str) -> None:
+    """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
+    from pathlib import Path
+
+    from .plot import plot_runs
+
+    try:
+        path = plot_runs([Path(d) for d in log_dirs], Path(output))
+    except FileNotFoundError as err:
+        raise click.UsageError(str(err)) from None
+    click.echo(f"wrote {path}")

@@ -93,7 +93,7 @@ def test_clean_shutdown_and_metrics(tmp_path):
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0].startswith("step,epoch,loss,it_per_s,bytes_up,bytes_down")
     assert len(lines) == 13
-    row = dict(zip(lines[0].split(","), lines[-1].split(",")))
+    row = dict(zip(lines[0].split(","), lines[-1].split(","), strict=False))
     assert (
         int(row["bytes_up"]) > 2 * 4 * 197322 and int(row["bytes_down"]) > 2 * 4 * 197322
     )  # two workers, fp32 both ways
@@ -131,7 +131,7 @@ def test_failing_worker_ends_the_job_quickly(how):
 
 def test_shard_layers_balances_sizes():
     owners = shard_layers([100, 10, 60, 50, 5], 2)
-    loads = [sum(s for s, o in zip([100, 10, 60, 50, 5], owners) if o == k) for k in range(2)]
+    loads = [sum(s for s, o in zip([100, 10, 60, 50, 5], owners, strict=False) if o == k) for k in range(2)]
     assert owners[0] != owners[2] and max(loads) - min(loads) <= 15
 
 

@@ -33,6 +33,7 @@ _ALLOWED = {
     ("numpy", "dtype"),
     ("numpy.core.multiarray", "scalar"),
     ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 carry bytes; pure data
 }
 URL_HINT = "https://www.cs.toronto.edu/~kriz/cifar.html"
 

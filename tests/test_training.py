@@ -1,0 +1,200 @@
+"""Models, data, schedules, plot, resume, and a short WRN run under MPI."""
+
+import pickle
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_mpi, run_script
+
+from psgrad.config import RunConfig
+from psgrad.data import ShardLoader, augment, load_cifar, load_dataset
+from psgrad.models import build_model
+from psgrad.optim import LayerOptimizer, learning_rate
+
+
+@pytest.mark.parametrize(
+    "name,options,classes,count",
+    [
+        ("wrn", {"depth": 28, "widen_factor": 10}, 100, 36_536_884),
+        ("wrn", {"depth": 16, "widen_factor": 4}, 100, 2_772_020),
+        ("resnet20", {}, 10, 269_722),
+        ("resnet9", {}, 10, 6_573_120),
+    ],
+)
+def test_parameter_counts(name, options, classes, count):
+    assert sum(p.numel() for p in build_model(name, classes, **options).parameters()) == count
+
+
+@pytest.mark.parametrize("name", ["wrn", "resnet9", "alexnet", "resnet20", "mlp", "convnet"])
+def test_models_run_on_cifar_shapes(name):
+    out = build_model(name, 10, depth=10, widen_factor=1)(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 10)
+
+
+def test_wrn_depth_is_checked():
+    with pytest.raises(ValueError, match="6n\\+4"):
+        build_model("wrn", 10, depth=12)
+
+
+def _write_batch(path, n, label_key, classes, seed):
+    rng = np.random.default_rng(seed)
+    entry = {
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        label_key: rng.integers(0, classes, n).tolist(),
+        b"batch_label": b"x",
+    }
+    path.write_bytes(pickle.dumps(entry, protocol=2))
+    return entry
+
+
+def test_cifar10_reader(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    entries = [_write_batch(folder / f"data_batch_{i}", 4, b"labels", 10, i) for i in range(1, 6)]
+    _write_batch(folder / "test_batch", 3, b"labels", 10, 9)
+    train = load_cifar("cifar10", tmp_path, "train")
+    assert train.images.shape == (20, 3, 32, 32) and train.labels.tolist()[:4] == entries[0][b"labels"]
+    assert np.array_equal(train.images[0].reshape(-1), entries[0][b"data"][0])
+    assert load_cifar("cifar10", tmp_path, "test").images.shape == (3, 3, 32, 32)
+
+
+def test_cifar100_reader_from_tar_gz(tmp_path):
+    src = tmp_path / "src" / "cifar-100-python"
+    src.mkdir(parents=True)
+    _write_batch(src / "train", 6, b"fine_labels", 100, 1)
+    _write_batch(src / "test", 2, b"fine_labels", 100, 2)
+    with tarfile.open(tmp_path / "cifar-100-python.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="cifar-100-python")
+    data = load_cifar("cifar100", tmp_path, "train")
+    assert data.images.shape == (6, 3, 32, 32) and data.labels.max() < 100
+
+
+def test_missing_cifar_says_what_was_expected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cifar-100-python.tar.gz"):
+        load_cifar("cifar100", tmp_path, "train")
+
+
+def test_corrupt_cifar_is_a_clear_error(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    (folder / "train").write_bytes(b"not a pickle at all")
+    with pytest.raises(ValueError, match="not a readable CIFAR batch"):
+        load_cifar("cifar100", tmp_path, "train")
+
+
+def test_cifar_reader_refuses_code_in_pickles(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    (folder / "train").write_bytes(pickle.dumps({b"data": Evil()}))
+    with pytest.raises(ValueError, match="refusing to load builtins.print"):
+        load_cifar("cifar100", tmp_path, "train")
+
+
+def test_augmentation_is_deterministic_and_does_something():
+    images = torch.randn(16, 3, 32, 32)
+    a = augment(images, torch.Generator().manual_seed(1))
+    b = augment(images, torch.Generator().manual_seed(1))
+    c = augment(images, torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == images.shape
+    flipped_only = augment(images, torch.Generator().manual_seed(1), pad=0)  # no room to crop: only flips
+    same = [torch.equal(o, i) for o, i in zip(flipped_only, images, strict=True)]
+    mirrored = [torch.equal(o, i.flip(-1)) for o, i in zip(flipped_only, images, strict=True)]
+    assert all(s or m for s, m in zip(same, mirrored, strict=True)) and any(same) and any(mirrored)
+
+
+def test_shards_are_disjoint_and_reshuffled():
+    data = load_dataset("synthetic", "train", synthetic_size=256)
+    loaders = [ShardLoader(data, "synthetic", w, 2, 8, 0) for w in range(2)]
+    first = [set(loader._order_for(0).tolist()) for loader in loaders]
+    assert not first[0] & first[1] and len(first[0]) == 128
+    assert loaders[0]._order_for(1).tolist() != sorted(first[0]) and set(loaders[0]._order_for(1).tolist()) != first[0]
+    contiguous = ShardLoader(data, "synthetic", 1, 2, 8, 0, "contiguous")
+    assert set(contiguous._order_for(0).tolist()) == set(range(128, 256)) == set(contiguous._order_for(3).tolist())
+
+
+def test_schedules():
+    cfg = RunConfig(lr=0.1, schedule="multistep", lr_milestones=(60, 120, 160), lr_decay=0.2, epochs=200)
+    assert [round(learning_rate(cfg, e * 10, 10, 2), 8) for e in (0, 59, 60, 120, 160)] == [
+        0.1,
+        0.1,
+        0.02,
+        0.004,
+        0.0008,
+    ]
+    cos = RunConfig(lr=0.1, schedule="cosine", steps=100)
+    assert learning_rate(cos, 0, 10, 1) == pytest.approx(0.1) and learning_rate(cos, 50, 10, 1) == pytest.approx(0.05)
+    warm = RunConfig(lr=0.1, warmup_epochs=1, scale_lr=True)
+    assert learning_rate(warm, 0, 10, 4) == pytest.approx(0.04) and learning_rate(warm, 10, 10, 4) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    "kind,extra", [("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}), ("adam", {"weight_decay": 1e-3})]
+)
+def test_layer_optimizer_matches_torch(kind, extra):
+    torch.manual_seed(0)
+    p = torch.randn(10)
+    ref = p.clone().requires_grad_()
+    opt = (torch.optim.SGD if kind == "sgd" else torch.optim.Adam)([ref], lr=0.01, **extra)
+    mine = LayerOptimizer(kind, **extra)
+    for _ in range(5):
+        g = torch.randn(10)
+        ref.grad = g.clone()
+        opt.step()
+        mine.step("p", p, g, 0.01)
+    torch.testing.assert_close(p, ref.detach())
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="--codec: unknown codec"):
+        RunConfig(codec="zip").validate()
+    with pytest.raises(ValueError, match="--lr must be > 0"):
+        RunConfig(lr=0).validate()
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    proc = run_script("resume.py", str(tmp_path), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == 2, proc.stdout + proc.stderr[-3000:]
+    assert (tmp_path / "full" / "ckpt-step4" / "rank0.pt").is_file()
+
+
+def test_short_wrn_run_beats_chance_and_plots(tmp_path):
+    log = tmp_path / "wrn"
+    args = [
+        "--model",
+        "wrn",
+        "--depth",
+        "10",
+        "--widen-factor",
+        "1",
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--no-progress",
+        "--log-dir",
+        str(log),
+    ]
+    proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (log / "eval.csv").read_text().splitlines()
+    assert rows[0] == "epoch,step,test_loss,test_acc,dataset" and rows[-1].endswith("synthetic")
+    assert float(rows[-1].split(",")[3]) > 0.5  # 10 classes: chance is 0.1
+    out = tmp_path / "plot.png"
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    result = CliRunner().invoke(main, ["plot", str(log), str(log), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
