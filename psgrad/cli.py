@@ -277,3 +277,31 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     except FileNotFoundError as err:
         raise click.UsageError(str(err)) from None
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@run_options
+@click.option(
+    "--codecs",
+    "bench_codecs",
+    default="none;qsgd:levels=16;topk:ratio=0.01;svd:rank=2",
+    help="Codec specs to compare, separated by ';' (none is the speed-up baseline).",
+)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures.")
+@click.option(
+    "--repeat", type=click.IntRange(min=1), default=1, help="Rounds of all codecs, interleaved; the median is reported."
+)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the rows as a JSON list here."
+)
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a bar chart of it/s here (PNG)."
+)
+def bench(bench_codecs: str, warmup: int, repeat: int, json_path: str | None, plot_path: str | None, **options) -> None:
+    """Compare codecs by it/s, bytes and time breakdown: `mpiexec -n 3 psgrad bench --steps 20 ...`."""
+    from . import bench as bench_module
+
+    options["steps"] = options["steps"] or 20
+    cfg = config_from(options)
+    specs = list(_codec_list(click.get_current_context(), None, bench_codecs))
+    bench_module.main(cfg, specs, cfg.steps, warmup, repeat, json_path, plot_path)

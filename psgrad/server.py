@@ -25,7 +25,7 @@ from .codecs import Codec, make_codec
 from .config import RunConfig
 from .optim import LayerOptimizer, learning_rate
 from .roles import Layer, Roles
-from .transport import TAG_BUFFERS, TAG_CONTROL, TAG_STATS, Handle, Transport, layer_tag
+from .transport import TAG_CONTROL, Handle, Transport, layer_tag
 from .worker import message_seed, upload_bound
 
 _CONTROL_BYTES = 4096
@@ -85,12 +85,9 @@ class ParameterServer:
         for w in self.workers:
             for layer in self.owned:
                 self._post(("grad", w, layer.index), self.bounds[layer.index], w, layer_tag(layer.index))
-            self._post(("control", w), _CONTROL_BYTES, w, TAG_CONTROL)
-            if self.rank == 0:
-                self._post(("stats", w), _CONTROL_BYTES, w, TAG_STATS)
-                self._post(
-                    ("buffers", w), wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"), w, TAG_BUFFERS
-                )
+            # stats, buffers and stop share the control tag, so they arrive in the order sent
+            control_bytes = max(_CONTROL_BYTES, wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"))
+            self._post(("control", w), control_bytes, w, TAG_CONTROL)
         for layer in self.owned:
             self._reply(layer, self.workers)
 
@@ -137,19 +134,17 @@ class ParameterServer:
             self._on_grad(handle.key[1], self.layers[handle.key[2]], msg)
             if handle.peer in self.active:
                 self.pending[handle.key] = self.transport.repost(handle)
-        elif kind == "control":
-            if msg.meta.get("op") != "stop":
-                raise RuntimeError(f"unknown control operation {msg.meta.get('op')!r} from rank {handle.peer}")
-            self._on_stop(handle.peer)
-        elif kind == "stats":
-            if self.on_stats is not None:
-                self.on_stats(handle.peer, {"step": msg.step, **msg.meta})
-            if handle.peer in self.active:
-                self.pending[handle.key] = self.transport.repost(handle)
-        elif kind == "buffers":
+        elif msg.kind == "buffers":
             self._on_buffers(handle.peer, msg)
-            if handle.peer in self.active:
-                self.pending[handle.key] = self.transport.repost(handle)
+            self.pending[handle.key] = self.transport.repost(handle)
+        elif msg.meta.get("op") == "stats":
+            if self.on_stats is not None:
+                self.on_stats(handle.peer, {"step": msg.step, **{k: v for k, v in msg.meta.items() if k != "op"}})
+            self.pending[handle.key] = self.transport.repost(handle)
+        elif msg.meta.get("op") == "stop":
+            self._on_stop(handle.peer)
+        else:
+            raise RuntimeError(f"unknown control message {msg.kind}/{msg.meta.get('op')!r} from rank {handle.peer}")
 
     def _codec(self, msg) -> Codec:
         key = f"{msg.codec}:{sorted(msg.params.items())}"

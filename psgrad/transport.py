@@ -18,9 +18,6 @@ import numpy as np
 from mpi4py import MPI
 
 TAG_CONTROL = 1
-TAG_STATS = 2
-TAG_BUFFERS = 3
-TAG_SERVER_SYNC = 4
 TAG_LAYER_BASE = 16
 
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds

@@ -22,7 +22,7 @@ from .codecs import Message, make_codec
 from .config import RunConfig
 from .feedback import NoFeedback
 from .roles import Layer, Roles
-from .transport import TAG_BUFFERS, TAG_CONTROL, TAG_STATS, Handle, Transport, layer_tag
+from .transport import TAG_CONTROL, Handle, Transport, layer_tag
 
 
 def message_seed(run_seed: int, step: int, layer: int, rank: int) -> int:
@@ -223,16 +223,20 @@ class Worker:
         return s
 
     def report(self, stats: StepStats) -> None:
-        """Send the step's numbers to server 0 (it writes metrics.csv and drives the progress bar)."""
+        """Send the step's numbers to server 0 (it writes metrics.csv and drives the progress bar).
+
+        Stats, BatchNorm buffers and stop share one tag: MPI keeps messages of one (source, tag)
+        in order, so ``stop`` can never overtake the last stats or buffers.
+        """
         msg = control_message("stats", self.rank, stats.step, **{k: v for k, v in asdict(stats).items() if k != "step"})
-        self.sends.append(self.transport.isend(wire.dumps(msg), self.roles.server_ranks[0], TAG_STATS))
+        self.sends.append(self.transport.isend(wire.dumps(msg), self.roles.server_ranks[0], TAG_CONTROL))
 
     def send_buffers(self, step: int) -> None:
         """BatchNorm statistics to server 0, which averages them over workers before evaluating."""
         flat = buffers_vector(self.model)
         msg = make_codec("none").encode(flat)
         msg.kind, msg.step, msg.layer, msg.sender = "buffers", step, "__buffers__", self.rank
-        self.sends.append(self.transport.isend(wire.dumps(msg), self.roles.server_ranks[0], TAG_BUFFERS))
+        self.sends.append(self.transport.isend(wire.dumps(msg), self.roles.server_ranks[0], TAG_CONTROL))
 
     def stop(self) -> None:
         """Tell every server this worker is done, after the last step's parameters arrived."""
