@@ -16,7 +16,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU box.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch ${PSGRAD_TORCH:-2.13.0}"
-  "${PIP[@]}" "torch==${PSGRAD_TORCH:-2.13.0}"
+  "${PIP[@]}" "torch==${PSGRAD_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 EXTRAS="plot"
 [ "${PSGRAD_SYSTEM_MPI:-0}" = "1" ] || EXTRAS="$EXTRAS,mpich"

@@ -14,7 +14,9 @@ def test_every_cli_option_has_help_and_a_line_in_docs():
         for param in cmd.params:
             if isinstance(param, click.Option):
                 assert param.help, f"{name} {param.opts}"
-                assert f"`{' / '.join(param.opts + param.secondary_opts)}`" in text, f"{name} {param.opts} missing from docs/cli.md"
+                assert f"`{' / '.join(param.opts + param.secondary_opts)}`" in text, (
+                    f"{name} {param.opts} missing from docs/cli.md"
+                )
 
 
 def test_every_codec_has_a_budget_line():
