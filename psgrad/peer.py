@@ -24,7 +24,7 @@ from .feedback import NoFeedback
 from .optim import LayerOptimizer, learning_rate
 from .roles import Layer
 from .transport import Transport
-from .worker import StepStats, message_seed
+from .worker import StepStats, encode_gradient
 
 
 class PeerWorker:
@@ -64,13 +64,7 @@ class PeerWorker:
 
     def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
         start = time.perf_counter()
-        msg = self.feedback.encode(
-            layer.name,
-            grad.detach().reshape(layer.shape),
-            message_seed(self.cfg.seed, self.step, layer.index, self.rank),
-        )
-        msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step, layer.name, self.rank
-        self.ready[layer.index] = wire.dumps(msg)
+        self.ready[layer.index] = encode_gradient(self.feedback, layer, grad, self.step, self.rank, self.cfg.seed)
         self.stats.encode += time.perf_counter() - start
         self.stats.bytes_up += len(self.ready[layer.index]) * (self.size - 1)
 

@@ -85,6 +85,13 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: LossFn) -> tuple[floa
     return loss_sum / max(1, total), correct / max(1, total)
 
 
+def _eval_row(model: nn.Module, batches: Iterable, loss_fn: LossFn, step: int, spe: int, label: str) -> dict:
+    """One eval.csv row: the model evaluated after ``step``."""
+    test_loss, test_acc = evaluate(model, batches, loss_fn)
+    epoch = round((step + 1) / spe, 4)
+    return {"epoch": epoch, "step": step + 1, "test_loss": test_loss, "test_acc": test_acc, "dataset": label}
+
+
 def _is_eval_step(cfg: RunConfig, step: int, spe: int, total: int) -> bool:
     if step == total - 1:
         return True
@@ -261,16 +268,7 @@ def _run_server(
         server.doing = f"evaluating after step {step}"
         load_model()
         load_buffers_vector(model, entry["buffers"])
-        test_loss, test_acc = evaluate(model, batches(), loss_fn)
-        log.evaluation(
-            {
-                "epoch": round((step + 1) / spe, 4),
-                "step": step + 1,
-                "test_loss": test_loss,
-                "test_acc": test_acc,
-                "dataset": label,
-            }
-        )
+        log.evaluation(_eval_row(model, batches(), loss_fn, step, spe, label))
 
     def on_stats(worker: int, record: dict) -> None:
         row = aggregator.add(record)
@@ -419,16 +417,7 @@ def _run_peer(
                     model, torch.from_numpy(transport.allreduce_sum(flat.double().numpy())).float() / transport.size
                 )
             if log:
-                test_loss, test_acc = evaluate(model, _eval_source(cfg, eval_data, label)(), loss_fn)
-                log.evaluation(
-                    {
-                        "epoch": round((step + 1) / spe, 4),
-                        "step": step + 1,
-                        "test_loss": test_loss,
-                        "test_acc": test_acc,
-                        "dataset": label,
-                    }
-                )
+                log.evaluation(_eval_row(model, _eval_source(cfg, eval_data, label)(), loss_fn, step, spe, label))
     result = RunResult(
         "peer",
         rank,

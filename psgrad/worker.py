@@ -30,6 +30,17 @@ def message_seed(run_seed: int, step: int, layer: int, rank: int) -> int:
     return ((run_seed * 1_000_003 + step) * 65_537 + layer * 4_099 + rank) % (2**63)
 
 
+def encode_gradient(
+    feedback: NoFeedback, layer: Layer, grad: torch.Tensor, step: int, rank: int, run_seed: int
+) -> bytes:
+    """Feedback -> codec -> wire for one layer's gradient: the bytes a worker sends."""
+    msg = feedback.encode(
+        layer.name, grad.detach().reshape(layer.shape), message_seed(run_seed, step, layer.index, rank)
+    )
+    msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, rank
+    return wire.dumps(msg)
+
+
 def upload_bound(cfg: RunConfig, layer: Layer) -> int:
     """Largest gradient message a worker may send for ``layer`` (DGC warm-up sends more early on)."""
     spec = cfg.codec
@@ -169,13 +180,7 @@ class Worker:
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
         """Encode ``grad`` of ``layer`` (feedback -> codec -> wire) and isend it to its server."""
         start = time.perf_counter()
-        msg = self.feedback.encode(
-            layer.name,
-            grad.detach().reshape(layer.shape),
-            message_seed(self.cfg.seed, self.step, layer.index, self.rank),
-        )
-        msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step, layer.name, self.rank
-        data = wire.dumps(msg)
+        data = encode_gradient(self.feedback, layer, grad, self.step, self.rank, self.cfg.seed)
         self.sends.append(self.transport.isend(data, layer.owner, layer_tag(layer.index)))
         self.stats.bytes_up += len(data)
         self.sent.add(layer.index)
