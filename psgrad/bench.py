@@ -1,24 +1,55 @@
 """``psgrad bench``: the same training for each codec (and baseline), one table of it/s and bytes.
 
-1. Under one ``mpiexec``, run ``steps`` training steps per codec with the same model, batch and
-   data; the first ``warmup`` steps are excluded from every figure.
-2. With ``repeat`` R, the codecs run R rounds interleaved (none, a, b, none, a, b, ...) so drift of a
-   shared machine hits all of them alike; the median and spread are reported.
-3. it/s speed-up is against the ``none`` codec measured in the same invocation.
+Two ways to run it:
+
+* Started without MPI (``psgrad bench ...``), it is a launcher: every (round, item) is its own
+  ``mpiexec`` job (servers + workers ranks for a codec, workers ranks for DDP, one rank for the
+  compute-only baseline), optionally inside bandwidth-shaped network namespaces
+  (``--bandwidth``, see ``psgrad.netshape``). A job that fails or overruns ``--timeout`` stops
+  the bench with the job's own error output.
+* Started under MPI (``mpiexec -n 3 psgrad bench ...``), all codecs run inside that one job
+  (no baselines, no shaping: those need their own jobs).
+
+The figures, either way:
+
+1. ``steps`` measured steps per run after ``warmup`` excluded ones; it/s is the wall-clock rate
+   between the first and last measured step.
+2. With ``repeat`` R the items run in R interleaved rounds (none, a, b, none, a, b, ...) so drift
+   of a shared machine hits all of them alike; the median and half the spread are reported.
+3. Speed-up and compression ratio are against the ``none`` codec of the same invocation.
+4. Server CPU is the CPU seconds the server-0 process used per second of wall time (1.0 = one core).
+5. With the compute-only baseline, ideal it/s = 1 / max(compute step time, link bytes / bandwidth),
+   where the link is the busiest one: the server's (the larger of all workers' up or all down
+   bytes, over the servers) for a codec, one worker's own share for DDP. Unshaped runs have no
+   bandwidth figure and their ideal is the compute-only it/s.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import shlex
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+from .baselines import BASELINES
 from .config import RunConfig
-from .train import run
-from .transport import Transport
 
 BREAKDOWN = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply")
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+NAN = float("nan")
+
+
+class BenchError(RuntimeError):
+    """A bench job failed or overran; the message carries its output."""
 
 
 @dataclass
@@ -33,6 +64,9 @@ class BenchRow:
     compression: float
     runs: int
     hidden_comm_share: float
+    server_cpu: float = NAN
+    ideal_it_per_s: float = NAN
+    of_ideal: float = NAN
     forward: float = 0.0
     backward: float = 0.0
     encode: float = 0.0
@@ -42,14 +76,23 @@ class BenchRow:
     apply: float = 0.0
 
 
-def _measure(rows: list[dict], warmup: int) -> dict:
+def launched_by_mpi() -> bool:
+    """True inside an mpiexec/mpirun/srun-started process (checked without initialising MPI)."""
+    return any(key in os.environ for key in _MPI_ENV)
+
+
+def measure(rows: list[dict], warmup: int) -> dict:
+    """Rate, mean bytes and times, and server CPU share over the steps after ``warmup``."""
     tail = rows[warmup:] or rows
     wall = [r["wall"] for r in tail]
-    # wall-clock rate between the first and last measured step (not the sum of per-step times,
-    # which would miss time spent between steps)
-    out = {"it_per_s": (len(wall) - 1) / (wall[-1] - wall[0]) if len(wall) > 1 else 1.0 / tail[0]["step_time"]}
+    span = wall[-1] - wall[0] if len(wall) > 1 else 0.0
+    # the wall-clock rate between the first and last measured step, not the sum of per-step
+    # times, which would miss the time spent between steps
+    out = {"it_per_s": (len(wall) - 1) / span if span > 0 else 1.0 / tail[0]["step_time"]}
     for key in ("bytes_up", "bytes_down", *BREAKDOWN):
         out[key] = statistics.fmean(r[key] for r in tail)
+    cpu = [r.get("server_cpu") for r in tail]
+    out["server_cpu"] = (cpu[-1] - cpu[0]) / span if span > 0 and None not in cpu and "" not in cpu else NAN
     return out
 
 
@@ -58,77 +101,226 @@ def hidden_share(m: dict) -> float:
 
     Communication that was *not* hidden shows up as waiting (push_wait + pull_wait). The time
     communication was in flight while the worker computed is bounded by the backward + forward
-    windows it overlaps; hidden = 1 - exposed wait / (exposed wait + overlap window), where the
-    window counts only when bytes were actually sent.
+    windows it overlaps: hidden = 1 - exposed wait / (exposed wait + overlap window).
     """
     exposed = m["push_wait"] + m["pull_wait"]
     window = m["backward"] + m["forward"]
     return 1.0 - exposed / max(1e-12, exposed + window)
 
 
-def run_codecs(cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int) -> list[BenchRow]:
-    """Every rank calls this; rank 0 returns the rows."""
+# ---------------------------------------------------------------------- one run (under MPI)
+def run_item(item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: int = 2) -> dict | None:
+    """Run one codec spec or baseline on every rank of this MPI job; rank 0 gets the measurement."""
+    if item in BASELINES:
+        from .baselines import run_baseline
+
+        rows = run_baseline(item, replace(cfg, steps=steps + warmup), steps + warmup, powersgd_rank)
+        return measure(rows, warmup) if rows else None
+    from .train import run
+
+    result = run(replace(cfg, codec=item, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
+    return measure(result.rows, warmup) if result.rank == 0 else None
+
+
+def run_in_mpi(cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int) -> dict[str, list[dict]]:
+    """Every rank of the current MPI job calls this; rank 0 gets {spec: [measurement per round]}."""
     results: dict[str, list[dict]] = {s: [] for s in specs}
     for _ in range(repeat):
         for spec in specs:
-            result = run(replace(cfg, codec=spec, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
-            if result.rank == 0:
-                results[spec].append(_measure(result.rows, warmup))
-    if Transport().rank != 0:
-        return []
-    base = statistics.median(m["it_per_s"] for m in results.get("none", [])) if "none" in results else None
-    dense = None
+            m = run_item(spec, cfg, steps, warmup)
+            if m is not None:
+                results[spec].append(m)
+    return results
+
+
+# ---------------------------------------------------------------------- the launcher
+def find_mpiexec(given: str | None) -> str:
+    """``given``, else the mpiexec beside this Python (the pip mpich), else the one on PATH."""
+    if given:
+        return given
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise BenchError("no mpiexec found: run bash launch/setup.sh (pip mpich) or pass --mpiexec PATH")
+    return found
+
+
+def _run_job(cmd: list[str], env: dict[str, str], timeout: float) -> None:
+    """Run one mpiexec job in its own process group; on timeout or Ctrl-C end the whole group."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException as err:
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+                out, _ = proc.communicate(timeout=grace)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        else:
+            out = b""
+        if isinstance(err, subprocess.TimeoutExpired):
+            raise BenchError(f"timed out after {timeout:.0f} s: {shlex.join(cmd)}\n{_tail(out)}") from None
+        raise
+    if proc.returncode != 0:
+        raise BenchError(f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}")
+
+
+def _tail(out: bytes | None, lines: int = 40) -> str:
+    return "\n".join((out or b"").decode(errors="replace").splitlines()[-lines:])
+
+
+def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
+    if item == "compute":
+        return 1
+    if item in BASELINES:
+        return workers
+    return workers + (cfg.servers if cfg.topology == "ps" else 0)
+
+
+def orchestrate(
+    cfg: RunConfig,
+    items: list[str],
+    steps: int,
+    warmup: int,
+    repeat: int,
+    workers: int,
+    mpiexec: str,
+    mpiexec_args: list[str],
+    timeout: float,
+    bandwidth: str | None = None,
+    powersgd_rank: int = 2,
+) -> dict[str, list[dict]]:
+    """Run every item ``repeat`` times, interleaved, each as its own mpiexec job."""
+    from contextlib import nullcontext
+
+    from .netshape import ShapedNetwork, check_available
+
+    if bandwidth:
+        check_available(mpiexec)
+    most = max(ranks_for(item, cfg, workers) for item in items)
+    results: dict[str, list[dict]] = {item: [] for item in items}
+    total, done = repeat * len(items), 0
+    with ShapedNetwork(most, bandwidth) if bandwidth else nullcontext() as net, tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **(net.environment() if net else {})}
+        for round_ in range(repeat):
+            for item in items:
+                done += 1
+                out = Path(tmp) / f"out-{done}.json"
+                job = Path(tmp) / f"job-{done}.json"
+                job.write_text(
+                    json.dumps(
+                        {"item": item, "config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}
+                        | {"powersgd_rank": powersgd_rank, "out": str(out)}
+                    )
+                )
+                command = [sys.executable, "-m", "psgrad.bench", str(job)]
+                n = ranks_for(item, cfg, workers)
+                cmd = [mpiexec, *mpiexec_args, "-n", str(n), *(net.wrap(command) if net else command)]
+                where = f"{bandwidth} links" if bandwidth else "loopback"
+                print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
+                started = time.perf_counter()
+                _run_job(cmd, env, timeout)
+                m = json.loads(out.read_text())
+                results[item].append(m)
+                print(
+                    f"[bench {done}/{total}]   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                )
+    return results
+
+
+def _child(job_path: str) -> None:
+    """Entry of one launcher job: ``mpiexec -n N python -m psgrad.bench JOB.json``."""
+    job = json.loads(Path(job_path).read_text())
+    cfg = RunConfig.from_json(json.dumps(job["config"]))
+    m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"])
+    if m is not None:
+        Path(job["out"]).write_text(json.dumps(m))
+
+
+# ---------------------------------------------------------------------- the table
+def summarize(
+    results: dict[str, list[dict]], servers: int = 1, workers: int = 2, bandwidth_bits: int | None = None
+) -> list[BenchRow]:
+    """One row per item: medians over rounds, speed-up and ratio vs none, ideal vs compute-only."""
+
+    def median(item: str) -> dict:
+        ms = results[item]
+        return {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+
+    base = median("none") if results.get("none") else None
+    compute = median("compute") if results.get("compute") else None
+    t_compute = 1.0 / compute["it_per_s"] if compute else None
     rows = []
-    for spec in specs:
-        ms = results[spec]
+    for item, ms in results.items():
+        if not ms:
+            continue
+        med = median(item)
         its = [m["it_per_s"] for m in ms]
-        med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
         per_step = med["bytes_up"] + med["bytes_down"]
-        if spec == "none":
-            dense = per_step
+        ideal = NAN
+        if t_compute is not None:
+            if item in BASELINES:
+                link = med["bytes_up"] / max(1, workers if item != "compute" else 1)
+            else:
+                link = max(med["bytes_up"], med["bytes_down"]) / servers
+            t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
+            ideal = 1.0 / max(t_compute, t_net)
+        is_ddp = item in BASELINES
         rows.append(
             BenchRow(
-                spec,
+                item,
                 med["it_per_s"],
                 (max(its) - min(its)) / 2,
-                med["it_per_s"] / base if base else float("nan"),
+                med["it_per_s"] / base["it_per_s"] if base else NAN,
                 per_step,
                 med["bytes_up"],
                 med["bytes_down"],
-                (dense or per_step) / per_step if dense else float("nan"),
+                (base["bytes_up"] + base["bytes_down"]) / per_step if base and per_step else NAN,
                 len(ms),
-                hidden_share(med),
+                NAN if is_ddp else hidden_share(med),
+                med.get("server_cpu", NAN),
+                ideal,
+                med["it_per_s"] / ideal if ideal == ideal else NAN,
                 **{k: med[k] for k in BREAKDOWN},
             )
         )
     return rows
 
 
+def _num(value: float, width: int, digits: int) -> str:
+    return f"{'-':>{width}s}" if value != value or math.isinf(value) else f"{value:{width}.{digits}f}"
+
+
 def table(rows: list[BenchRow]) -> str:
     head = (
-        f"{'codec':34s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
-        + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
+        f"{'codec':30s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
+        f"{'srv cpu':>7s} {'ideal':>6s} {'of ideal':>8s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.codec:34s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {r.speedup:7.2f} {r.bytes_per_step / 1e6:8.3f} {r.compression:7.1f} {r.hidden_comm_share:6.2f} "
+            f"{r.codec:30s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
+            f"{r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.hidden_comm_share, 6, 2)} "
+            f"{_num(r.server_cpu, 7, 2)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
             + " ".join(f"{getattr(r, k) * 1e3:8.1f}" for k in BREAKDOWN)
         )
-    lines.append("times in ms per step (mean over workers); MB/step = bytes up + down summed over workers")
+    lines.append(
+        "times in ms per step (mean over workers); MB/step = bytes sent per step by all ranks; "
+        "srv cpu = server CPU seconds per second; '-' = not applicable"
+    )
     return "\n".join(lines)
 
 
 def as_json(rows: list[BenchRow]) -> list[dict]:
-    out = []
-    for r in rows:
-        d = asdict(r)
-        d["bytes_per_step"] = None if d["bytes_per_step"] != d["bytes_per_step"] else d["bytes_per_step"]
-        out.append({k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()})
-    return out
+    """Rows as plain objects; NaN (not applicable) becomes null."""
+    return [{k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()} for r in rows]
 
 
-def plot_bars(rows: list[BenchRow], path: str) -> None:
+def plot_bars(rows: list[BenchRow], path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,25 +329,22 @@ def plot_bars(rows: list[BenchRow], path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
     ax.bar([r.codec for r in rows], [r.it_per_s for r in rows], yerr=[r.it_per_s_spread for r in rows])
     ax.set_ylabel("it/s")
+    ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main(
-    cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int, json_path: str | None, plot_path: str | None
-) -> None:
-    rows = run_codecs(cfg, specs, steps, warmup, repeat)
-    if Transport().rank != 0:
-        return
-    print(
-        f"psgrad bench: model {cfg.model}, batch {cfg.batch_size}/worker, {steps} steps after {warmup} warm-up, repeat {repeat}, data {cfg.dataset}",
-        file=sys.stderr,
-    )
-    print(table(rows))
+def report(rows: list[BenchRow], header: str, json_path: str | None, plot_path: str | None, out=sys.stdout) -> None:
+    print(header, file=sys.stderr)
+    print(table(rows), file=out)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(as_json(rows), f, indent=1)
     if plot_path:
-        plot_bars(rows, plot_path)
+        plot_bars(rows, plot_path, header)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

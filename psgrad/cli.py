@@ -279,6 +279,27 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     click.echo(f"wrote {path}")
 
 
+def _baseline_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    from .baselines import BASELINES
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise click.BadParameter(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)}")
+    return names
+
+
+def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from .netshape import parse_rate
+
+    if value is not None:
+        try:
+            parse_rate(value)
+        except ValueError as err:
+            raise click.BadParameter(str(err)) from None
+    return value
+
+
 @main.command()
 @run_options
 @click.option(
@@ -287,9 +308,49 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     default="none;qsgd:levels=16;topk:ratio=0.01;svd:rank=2",
     help="Codec specs to compare, separated by ';' (none is the speed-up baseline).",
 )
+@click.option(
+    "--baselines",
+    default="",
+    callback=_baseline_list,
+    help="Extra rows, comma-separated: compute (one rank, no communication), ddp (torch DDP, gloo), "
+    "ddp-powersgd (DDP with the PowerSGD hook). Needs the launcher mode (no mpiexec).",
+)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures.")
 @click.option(
     "--repeat", type=click.IntRange(min=1), default=1, help="Rounds of all codecs, interleaved; the median is reported."
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=2,
+    help="Worker ranks per run (launcher mode; each codec run also gets --servers server ranks).",
+)
+@click.option(
+    "--bandwidth",
+    default=None,
+    callback=_bandwidth,
+    help="Shape every rank's link to this rate (tc units, e.g. 100mbit, 1gbit) in network namespaces; needs root "
+    "and MPICH (launcher mode).",
+)
+@click.option(
+    "--mpiexec",
+    "mpiexec_path",
+    default=None,
+    help="mpiexec the launcher starts its jobs with [default: the one beside this Python, else PATH].",
+)
+@click.option(
+    "--mpiexec-args",
+    default="",
+    help="Extra mpiexec arguments for every job, e.g. '--allow-run-as-root --oversubscribe' for Open MPI as root.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=900.0,
+    help="Seconds one job may run before the launcher ends it and fails.",
+)
+@click.option(
+    "--powersgd-rank", type=click.IntRange(min=1), default=2, help="Rank of the ddp-powersgd baseline's factors."
 )
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the rows as a JSON list here."
@@ -297,11 +358,68 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a bar chart of it/s here (PNG)."
 )
-def bench(bench_codecs: str, warmup: int, repeat: int, json_path: str | None, plot_path: str | None, **options) -> None:
-    """Compare codecs by it/s, bytes and time breakdown: `mpiexec -n 3 psgrad bench --steps 20 ...`."""
+def bench(
+    bench_codecs: str,
+    baselines: list[str],
+    warmup: int,
+    repeat: int,
+    workers: int,
+    bandwidth: str | None,
+    mpiexec_path: str | None,
+    mpiexec_args: str,
+    timeout: float,
+    powersgd_rank: int,
+    json_path: str | None,
+    plot_path: str | None,
+    **options,
+) -> None:
+    """Compare codecs (and DDP) by it/s, bytes and time breakdown.
+
+    Run it plainly (`psgrad bench --steps 20 ...`) and it launches one mpiexec job per codec and
+    baseline itself, optionally on shaped links; under `mpiexec -n 3 psgrad bench ...` it runs the
+    codecs inside that job.
+    """
+    import shlex
+
     from . import bench as bench_module
+    from .netshape import ShapeError, parse_rate
 
     options["steps"] = options["steps"] or 20
     cfg = config_from(options)
     specs = list(_codec_list(click.get_current_context(), None, bench_codecs))
-    bench_module.main(cfg, specs, cfg.steps, warmup, repeat, json_path, plot_path)
+    header = (
+        f"psgrad bench: model {cfg.model}, batch {cfg.batch_size}/worker, {cfg.steps} steps after {warmup} warm-up, "
+        f"repeat {repeat}, data {cfg.dataset}, "
+    )
+    if bench_module.launched_by_mpi():
+        if baselines or bandwidth:
+            _abort_job("--baselines and --bandwidth start MPI jobs of their own: run 'psgrad bench' without mpiexec")
+        from .transport import Transport
+
+        results = bench_module.run_in_mpi(cfg, specs, cfg.steps, warmup, repeat)
+        if Transport().rank != 0:
+            return
+        size = Transport().size
+        rows = bench_module.summarize(results, cfg.servers, size - cfg.servers)
+        bench_module.report(rows, header + f"{size} ranks in one job, loopback", json_path, plot_path)
+        return
+    try:
+        mpiexec = bench_module.find_mpiexec(mpiexec_path)
+        results = bench_module.orchestrate(
+            cfg,
+            specs + baselines,
+            cfg.steps,
+            warmup,
+            repeat,
+            workers,
+            mpiexec,
+            shlex.split(mpiexec_args),
+            timeout,
+            bandwidth,
+            powersgd_rank,
+        )
+    except (bench_module.BenchError, ShapeError) as err:
+        raise click.ClickException(str(err)) from None
+    rows = bench_module.summarize(results, cfg.servers, workers, parse_rate(bandwidth) if bandwidth else None)
+    where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
+    bench_module.report(rows, header + f"{cfg.servers} server + {workers} workers, {where}", json_path, plot_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 METRIC_COLUMNS = [
     "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr",
     "forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time",
-    "server_decode", "server_apply", "server_idle", "wall",
+    "server_decode", "server_apply", "server_idle", "server_cpu", "wall",
 ]  # fmt: skip
 EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset"]
 TIME_KEYS = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time")

@@ -279,6 +279,7 @@ def _run_server(
                 server.times["apply"],
                 server.times["idle"],
             )
+            row["server_cpu"] = time.process_time()  # this server process's CPU seconds so far
             log.step(row)
 
     def on_buffers(step: int, flat: torch.Tensor) -> None:

@@ -1,0 +1,143 @@
+"""Reference rows for ``psgrad bench``: torch DDP (dense, PowerSGD) and compute alone.
+
+Each baseline trains the same model on the same per-worker batches as the parameter-server run
+and returns per-step rows in the shape ``psgrad.bench`` measures (``wall`` plus the time
+breakdown and bytes), so they land in the same table.
+
+1. ``compute``: one process, no communication, plain ``torch.optim.SGD``: the it/s that a perfectly
+   hidden network would give (the ceiling for every codec).
+2. ``ddp``: every MPI rank is a worker; ``DistributedDataParallel`` over gloo (TCP), whose
+   bucketed allreduce overlaps backward. gloo is initialised from a TCP address and port that rank 0
+   broadcasts over MPI (``PSGRAD_RANK0_ADDR``, 127.0.0.1 unless the run is shaped).
+3. ``ddp-powersgd``: as ``ddp`` with torch's PowerSGD communication hook (rank ``powersgd_rank``,
+   compression from the second step on, error feedback and warm start as torch defaults) and all
+   gradients in ONE bucket: with several buckets the hook's chained collectives may be issued in a
+   different order on each rank, and gloo then fails or hangs.
+4. Bytes per step are computed, not sniffed: a ring allreduce of E fp32 elements makes each of W
+   workers send 2 (W-1)/W * 4E bytes; for PowerSGD E is the element count the hook allreduces
+   (its P and Q factors plus the tensors it leaves uncompressed), read from the hook's own
+   counters. All of it is reported as ``bytes_up`` (DDP has no server to send anything down).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .config import RunConfig
+from .data import ShardLoader, load_dataset
+from .models import build_model
+
+BASELINES = ("compute", "ddp", "ddp-powersgd")
+
+
+def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
+    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed)
+    loader = ShardLoader(data, cfg.dataset, worker, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment)
+    return model, loader
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ring_bytes(elements: int, workers: int) -> int:
+    """Bytes all workers together send for one ring allreduce of ``elements`` fp32 values."""
+    return 0 if workers < 2 else 2 * (workers - 1) * 4 * elements
+
+
+def _rows(model, loader, optimizer, steps: int, bytes_of_step) -> list[dict]:
+    rows, start = [], time.perf_counter()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        images, labels = loader.batch(step)
+        out = model(images)
+        loss = F.cross_entropy(out, labels)
+        t1 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # for DDP this includes the allreduce that backward could not hide
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        rows.append(
+            {
+                "step": step,
+                "loss": float(loss),
+                "forward": t1 - t0,
+                "backward": t2 - t1,
+                "apply": t3 - t2,
+                "step_time": t3 - t0,
+                "encode": 0.0,
+                "push_wait": 0.0,
+                "pull_wait": 0.0,
+                "decode": 0.0,
+                "bytes_up": bytes_of_step(),
+                "bytes_down": 0,
+                "wall": t3 - start,
+            }
+        )
+    return rows
+
+
+def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> list[dict]:
+    """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns the rows, others []."""
+    if kind not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
+    from .transport import Transport  # imported here: importing mpi4py initialises MPI
+
+    torch.set_num_threads(cfg.threads)
+    transport = Transport()
+    rank, workers = transport.rank, transport.size
+    if kind == "compute" and workers != 1:
+        raise ValueError("the compute baseline runs on one rank (mpiexec -n 1)")
+    model, loader = _model_and_loader(cfg, rank, workers)
+    numel = sum(p.numel() for p in model.parameters())
+
+    def optimizer_for(m):
+        return torch.optim.SGD(
+            m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        )
+
+    if kind == "compute":
+        return _rows(model, loader, optimizer_for(model), steps, lambda: 0)
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    host = os.environ.get("PSGRAD_RANK0_ADDR", "127.0.0.1")
+    port = int(transport.broadcast_bytes(str(_free_port(host)).encode() if rank == 0 else None).decode())
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=workers)
+    try:
+        if kind == "ddp":
+            ddp = DistributedDataParallel(model)
+
+            def step_bytes() -> int:
+                return _ring_bytes(numel, workers)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+            ddp = DistributedDataParallel(model, bucket_cap_mb=max(1.0, 8 * numel / 2**20))  # one bucket
+            state = powersgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
+            )
+            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+            seen = {"after": 0}
+
+            def step_bytes() -> int:
+                # before compression starts the hook runs a plain allreduce and counts nothing
+                after = state.total_numel_after_compression
+                elements, seen["after"] = (after - seen["after"]) or numel, after
+                return _ring_bytes(elements, workers)
+
+        rows = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes)
+    finally:
+        dist.destroy_process_group()
+    return rows if rank == 0 else []
