@@ -95,7 +95,13 @@ RUN_OPTIONS = [
     ),
     ("--augment/--no-augment", "augment", None, "Random crop (4-pixel padding) and horizontal flip."),
     ("--codec", "codec", str, "Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (see psgrad codecs)."),
-    ("--down-codec", "down_codec", str, "Codec for the parameters sent from server to workers."),
+    (
+        "--down-codec",
+        "down_codec",
+        str,
+        "Server-to-worker codec: none sends each layer's new value; any other codec sends the encoded change "
+        "since what the workers hold, the server keeping the rest for later steps (error feedback).",
+    ),
     (
         "--feedback",
         "feedback",

@@ -5,11 +5,18 @@ Sync mode, per layer l owned by this server:
 2. The loop waits (with back-off) for *any* receive to complete; an arriving gradient is
    validated (kind, layer, step, sender) and decoded straight into l's accumulator with weight 1/W,
    and the receive is re-posted for the next step.
-3. When l has all W contributions: optimizer update of l, then its new value is encoded once
-   (``--down-codec``) and isent to every worker — layers go back in the order they complete.
+3. When l has all W contributions: optimizer update of l, then l goes back to every worker at
+   once, encoded once — layers go back in the order they complete. With ``--down-codec none`` the
+   message is l's new value (``params``). With any other down-codec it is the encoded change
+   since what the workers hold (``delta``): the server keeps a copy of the workers' l (the
+   shadow), encodes value - shadow and adds the decoded message to the shadow, so what the codec
+   dropped is sent in later steps (error feedback on the down-link) and never lost.
+4. At start every worker gets the shadow exactly (``params``, uncompressed): fresh or resumed,
+   workers and shadow agree from the first step on.
 Async mode: each worker's gradient is applied alone (weight 1/W) the moment it arrives; when a
 worker's layers for its step are all in, it gets the current parameters back — unless it is more
-than ``staleness`` steps ahead of the slowest active worker, in which case the reply waits.
+than ``staleness`` steps ahead of the slowest active worker, in which case the reply waits. Replies
+go to one worker at a time, so each worker has a shadow of its own.
 Control messages (stop, stats, BatchNorm buffers) arrive on their own tags.
 """
 
@@ -55,6 +62,13 @@ class ParameterServer:
         self.steps_per_epoch = steps_per_epoch
         self.optimizer = LayerOptimizer.from_config(cfg)
         self.down_codec = make_codec(cfg.down_codec)
+        self.send_deltas = self.down_codec.name != "none"
+        # what the workers hold of each owned layer: one copy in sync mode, one per worker in async
+        self.shadow: dict[tuple[int, int], torch.Tensor] = {}
+        if self.send_deltas:
+            for layer in self.owned:
+                for w in self.workers if cfg.mode == "async" else [-1]:
+                    self.shadow[(layer.index, w)] = values[layer.index].clone()
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.owned}
         self.count = {layer.index: 0 for layer in self.owned}
         self.layer_step = {layer.index: start_step for layer in self.owned}
@@ -89,14 +103,27 @@ class ParameterServer:
             control_bytes = max(_CONTROL_BYTES, wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"))
             self._post(("control", w), control_bytes, w, TAG_CONTROL)
         for layer in self.owned:
-            self._reply(layer, self.workers)
+            self._reply(layer, self.workers, exact=True)
 
-    def _reply(self, layer: Layer, workers: list[int]) -> None:
+    def _shadow_of(self, layer: Layer, workers: list[int]) -> torch.Tensor:
+        return self.shadow[(layer.index, workers[0] if self.cfg.mode == "async" else -1)]
+
+    def _reply(self, layer: Layer, workers: list[int], exact: bool = False) -> None:
+        """Send ``layer`` to ``workers``: its value (exact, or --down-codec none) or its encoded change."""
         step = self.layer_step[layer.index]
-        msg = self.down_codec.encode(
-            self.values[layer.index].view(layer.shape), seed=message_seed(self.cfg.seed, step, layer.index, self.rank)
-        )
-        msg.kind, msg.step, msg.layer, msg.sender = "params", step, layer.name, self.rank
+        if not self.send_deltas:
+            msg = self.down_codec.encode(self.values[layer.index].view(layer.shape))
+            msg.kind = "params"
+        elif exact:
+            msg = make_codec("none").encode(self._shadow_of(layer, workers).view(layer.shape))
+            msg.kind = "params"
+        else:
+            shadow = self._shadow_of(layer, workers)
+            seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
+            msg = self.down_codec.encode((self.values[layer.index] - shadow).view(layer.shape), seed=seed)
+            self.down_codec.decode_add(msg, shadow)
+            msg.kind = "delta"
+        msg.step, msg.layer, msg.sender = step, layer.name, self.rank
         data = wire.dumps(msg)
         for w in workers:
             self.sends.append(self.transport.isend(data, w, layer_tag(layer.index)))
@@ -232,6 +259,7 @@ class ParameterServer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {f"value/{i}": v for i, v in self.values.items()}
+        state.update({f"shadow/{i}/{w}": v for (i, w), v in self.shadow.items()})
         state.update({f"optim/{k}": v for k, v in self.optimizer.state_dict().items()})
         return state
 
@@ -239,6 +267,9 @@ class ParameterServer:
         for key, tensor in state.items():
             if key.startswith("value/"):
                 self.values[int(key.removeprefix("value/"))].copy_(tensor)
+            elif key.startswith("shadow/") and self.shadow:
+                index, worker = key.removeprefix("shadow/").split("/")
+                self.shadow[(int(index), int(worker))].copy_(tensor)
         self.optimizer.load_state_dict(
             {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
         )

@@ -103,7 +103,12 @@ class Worker:
         self.params = dict(model.named_parameters())
         self.layer_of = {name: layer for layer in layers for name in layer.params}
         self.down_codec = make_codec(cfg.down_codec)
-        self.bounds = [wire.max_message_bytes(cfg.down_codec, layer.shape, layer.name) for layer in layers]
+        self.exact_codec = make_codec("none")
+        # the first message of a layer is its exact value, later ones may be the down-codec's deltas
+        self.bounds = [
+            max(wire.max_message_bytes(spec, layer.shape, layer.name) for spec in {cfg.down_codec, "none"})
+            for layer in layers
+        ]
         self.buffers = [bytearray(b) for b in self.bounds]
         self.pulls: dict[int, Handle] = {}
         self.pull_step = 0
@@ -150,17 +155,26 @@ class Worker:
         start = time.perf_counter()
         layer = self.layers[index]
         msg = wire.loads(handle.payload(), max_bytes=self.bounds[index])
-        if msg.kind != "params" or msg.layer != layer.name or msg.step != self.pull_step or msg.sender != layer.owner:
+        if (
+            msg.kind not in ("params", "delta")
+            or msg.layer != layer.name
+            or msg.step != self.pull_step
+            or msg.sender != layer.owner
+        ):
             raise RuntimeError(
                 f"expected params of {layer.name!r} for step {self.pull_step} from rank {layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} from rank {msg.sender}"
             )
-        values = self.down_codec.decode(msg).view(-1)
+        if msg.codec not in (self.down_codec.name, "none"):
+            raise RuntimeError(f"{layer.name!r} arrived encoded with {msg.codec!r}, expected {self.down_codec.name!r}")
+        codec = self.down_codec if msg.codec == self.down_codec.name else self.exact_codec
+        values = codec.decode(msg, device=self.device).view(-1)
         mid = time.perf_counter()
         with torch.no_grad():
             offset = 0
             for name in layer.params:
                 param = self.params[name]
-                param.copy_(values[offset : offset + param.numel()].view_as(param))
+                part = values[offset : offset + param.numel()].view_as(param)
+                param.add_(part) if msg.kind == "delta" else param.copy_(part)
                 offset += param.numel()
         self.stats.decode += mid - start
         self.stats.apply += time.perf_counter() - mid

@@ -1,42 +1,43 @@
 import json
+import os
 import sys
 
-from conftest import run_mpi
+import pytest
+from conftest import mpiexec, run_mpi
 
-from psgrad.bench import hidden_share
+from psgrad.bench import hidden_share, summarize
+from psgrad.models import build_model
+
+SMALL = ["--model", "mlp", "--batch-size", "8", "--synthetic-size", "256"]
 
 
-def test_bench_table_and_json(tmp_path):
+def _launcher(args: list[str], timeout: float = 300, **kw):
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(key, None)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            **kw,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"psgrad bench hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+
+
+def test_bench_inside_one_mpi_job(tmp_path):
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    args = [
-        "--model",
-        "mlp",
-        "--batch-size",
-        "8",
-        "--synthetic-size",
-        "256",
-        "--steps",
-        "4",
-        "--warmup",
-        "1",
-        "--repeat",
-        "2",
-    ]
+    args = [*SMALL, "--steps", "4", "--warmup", "1", "--repeat", "2"]
     proc = run_mpi(
-        [
-            sys.executable,
-            "-m",
-            "psgrad",
-            "bench",
-            *args,
-            "--codecs",
-            "none;topk:ratio=0.01",
-            "--json",
-            str(out),
-            "--plot",
-            str(png),
-        ],
+        [sys.executable, "-m", "psgrad", "bench", *args, "--codecs", "none;topk:ratio=0.01"]
+        + ["--json", str(out), "--plot", str(png)],
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,10 +47,77 @@ def test_bench_table_and_json(tmp_path):
     assert rows[0]["speedup"] == 1.0 and rows[1]["runs"] == 2
     assert rows[1]["bytes_up"] < rows[0]["bytes_up"] / 10  # top-1% sends far fewer bytes up (down stays dense)
     assert all(r["it_per_s"] > 0 for r in rows)
+    assert 0 < rows[0]["server_cpu"] < 1.5  # CPU seconds per second of one process
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_launcher_with_baselines(tmp_path):
+    out = tmp_path / "bench.json"
+    args = [*SMALL, "--steps", "4", "--warmup", "2", "--codecs", "none;qsgd:levels=4"]
+    proc = _launcher([*args, "--baselines", "compute,ddp,ddp-powersgd", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["codec"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["none", "qsgd:levels=4", "compute", "ddp", "ddp-powersgd"]
+    for name in rows:
+        assert name in proc.stdout
+    numel = sum(p.numel() for p in build_model("mlp", 10).parameters())
+    # a ring allreduce of fp32 over 2 workers: each sends the whole model once
+    assert rows["ddp"]["bytes_per_step"] == 2 * 4 * numel
+    assert rows["ddp-powersgd"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10
+    assert rows["compute"]["bytes_per_step"] == 0 and rows["compute"]["of_ideal"] == 1.0
+    assert rows["none"]["bytes_up"] >= 2 * 4 * numel  # two workers push the dense gradient
+    assert rows["qsgd:levels=4"]["compression"] > 1.5
+    # unshaped: the ideal of every row is the compute-only rate
+    assert {r["ideal_it_per_s"] for r in rows.values()} == {rows["compute"]["it_per_s"]}
+    assert rows["ddp"]["hidden_comm_share"] is None and rows["ddp"]["server_cpu"] is None
+
+
+def test_bench_failing_job_reports_its_error():
+    proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", "/nonexistent"])
+    assert proc.returncode != 0
+    assert "exit status" in proc.stderr and "cifar-10" in proc.stderr.lower()
+
+
+def test_baselines_need_the_launcher():
+    proc = run_mpi(
+        [sys.executable, "-m", "psgrad", "bench", *SMALL, "--codecs", "none", "--baselines", "ddp"], timeout=120
+    )
+    assert proc.returncode != 0
+    assert "without mpiexec" in proc.stderr
+
+
+def test_bad_bench_options():
+    proc = _launcher(["--baselines", "horovod"])
+    assert proc.returncode == 2 and "unknown baseline" in proc.stderr
+    proc = _launcher(["--bandwidth", "fast"])
+    assert proc.returncode == 2 and "100mbit" in proc.stderr
 
 
 def test_hidden_share():
     base = {"forward": 1.0, "backward": 3.0, "push_wait": 0.0, "pull_wait": 0.0}
     assert hidden_share(base) == 1.0
     assert hidden_share({**base, "pull_wait": 4.0}) == 0.5
+
+
+def _m(it_per_s, up, down=0.0):
+    keys = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply")
+    return {"it_per_s": it_per_s, "bytes_up": up, "bytes_down": down, "server_cpu": 0.1, **dict.fromkeys(keys, 0.01)}
+
+
+def test_summarize_ideal_and_ratios():
+    results = {
+        "none": [_m(1.0, 8e6, 8e6), _m(3.0, 8e6, 8e6)],
+        "topk": [_m(4.0, 1e5, 8e6)],
+        "compute": [_m(10.0, 0)],
+        "ddp": [_m(2.0, 8e6)],
+    }
+    rows = {r.codec: r for r in summarize(results, servers=1, workers=2, bandwidth_bits=100_000_000)}
+    assert rows["none"].it_per_s == 2.0 and rows["none"].it_per_s_spread == 1.0 and rows["none"].runs == 2
+    assert rows["topk"].speedup == 2.0
+    assert rows["topk"].compression == pytest.approx(16e6 / 8.1e6)
+    # 8 MB through the server's 100 Mbit/s link takes 0.64 s; compute alone 0.1 s
+    assert rows["none"].ideal_it_per_s == pytest.approx(1 / 0.64)
+    assert rows["topk"].of_ideal == pytest.approx(4.0 / (1 / 0.64))
+    # DDP: each worker's link carries its half of the 8 MB
+    assert rows["ddp"].ideal_it_per_s == pytest.approx(1 / 0.32)
+    assert rows["compute"].ideal_it_per_s == 10.0

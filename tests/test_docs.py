@@ -19,6 +19,12 @@ def test_every_cli_option_has_help_and_a_line_in_docs():
                 )
 
 
+def test_cli_reference_is_current():
+    from psgrad.clidoc import markdown
+
+    assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: python -m psgrad.clidoc > docs/cli.md"
+
+
 def test_every_codec_has_a_budget_line():
     from psgrad.codecs import available_codecs
 

@@ -16,7 +16,9 @@ def _ok(proc, marker):
 
 
 @pytest.mark.parametrize(
-    "flags", [[], ["--nesterov"], ["--model-granularity"]], ids=["sgd", "nesterov", "model-granularity"]
+    "flags",
+    [[], ["--nesterov"], ["--model-granularity"], ["--delta-down"]],
+    ids=["sgd", "nesterov", "model-granularity", "delta-down"],
 )
 def test_none_codec_through_server_equals_averaged_sgd(flags):
     _ok(run_script("reference.py", *flags), "REFERENCE OK")
@@ -41,6 +43,7 @@ def test_every_codec_trains_with_and_without_error_feedback():
     ]
     configs += [{"codec": "topk:ratio=0.01", "feedback": "dgc", "momentum": 0.0, "lr": 0.02}]
     configs += [{"codec": "none", "down_codec": "fp16"}, {"codec": "qsgd", "down_codec": "qsgd:levels=64"}]
+    configs += [{"codec": "topk:ratio=0.01", "feedback": "ef", "down_codec": "topk:ratio=0.01"}]
     proc = run_script("converge.py", *[json.dumps(c) for c in configs], timeout=400)
     _ok(proc, "CONVERGE OK")
 
@@ -49,6 +52,7 @@ def test_async_and_alltoall_converge():
     configs = [
         {"mode": "async", "staleness": 0},
         {"mode": "async", "staleness": 2, "codec": "qsgd"},
+        {"mode": "async", "staleness": 1, "codec": "topk:ratio=0.05", "down_codec": "topk:ratio=0.05"},
         {"topology": "alltoall"},
         {"topology": "alltoall", "codec": "topk:ratio=0.05", "feedback": "ef"},
         {"servers": 2, "codec": "qsgd"},

@@ -24,7 +24,9 @@ kw = dict(
 )
 nesterov = "--nesterov" in sys.argv
 granularity = "model" if "--model-granularity" in sys.argv else "layer"
-cfg = RunConfig(**kw, nesterov=nesterov, granularity=granularity)
+# a down-codec that keeps everything: the workers follow the server through deltas, not values
+down = "topk:ratio=1.0" if "--delta-down" in sys.argv else "none"
+cfg = RunConfig(**kw, nesterov=nesterov, granularity=granularity, down_codec=down)
 result = run(cfg)
 if world_rank() == 0:
     workers = world_size() - 1

@@ -1,0 +1,52 @@
+"""docs/cli.md, generated from the click commands: ``python -m psgrad.clidoc > docs/cli.md``."""
+
+from __future__ import annotations
+
+import inspect
+
+import click
+
+ORDER = ("train", "server", "worker", "bench", "codecs", "plot")
+
+
+def _default(param: click.Parameter) -> str:
+    if isinstance(param, click.Argument) or param.default is None or param.default == "":
+        return ""
+    return str(param.default).replace("|", "\\|")
+
+
+def markdown() -> str:
+    """1. One section per command, in ORDER, with its help text.
+    2. One table row per parameter: flags, default, help (arguments are marked positional).
+    """
+    from .cli import main
+
+    lines = [
+        "# Command-line reference",
+        "",
+        "Every option of every `psgrad` command, generated from the commands themselves "
+        "(`python -m psgrad.clidoc > docs/cli.md`; `tests/test_docs.py` fails when this file is stale).",
+    ]
+    for name in ORDER:
+        cmd = main.commands[name]
+        lines += [
+            "",
+            f"## psgrad {name}",
+            "",
+            inspect.cleandoc(cmd.help or ""),
+            "",
+            "| option | default | meaning |",
+            "|---|---|---|",
+        ]
+        for param in cmd.params:
+            if isinstance(param, click.Option):
+                flags = " / ".join(param.opts + param.secondary_opts)
+                text = (param.help or "").replace("|", "\\|")
+            else:
+                flags, text = param.name.upper(), "positional"
+            lines.append(f"| `{flags}` | {_default(param)} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
