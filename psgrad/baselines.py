@@ -70,7 +70,7 @@ def _rows(model, loader, optimizer, steps: int, bytes_of_step) -> list[dict]:
         rows.append(
             {
                 "step": step,
-                "loss": float(loss),
+                "loss": float(loss.detach()),
                 "forward": t1 - t0,
                 "backward": t2 - t1,
                 "apply": t3 - t2,
@@ -138,6 +138,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 return _ring_bytes(elements, workers)
 
         rows = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes)
+        dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()
     return rows if rank == 0 else []

@@ -109,16 +109,34 @@ def hidden_share(m: dict) -> float:
 
 
 # ---------------------------------------------------------------------- one run (under MPI)
+def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
+    """Split an item into its codec spec (or baseline name) and the run it needs.
+
+    An item is a codec spec or baseline name, optionally followed by train options that hold for
+    that row only: ``topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01``.
+    """
+    import shlex
+
+    from .cli import option_overrides
+
+    head, *rest = shlex.split(item) or [""]
+    overrides = option_overrides(rest) if rest else {}
+    if head not in BASELINES:
+        overrides["codec"] = head
+    return head, replace(cfg, **overrides).validate()
+
+
 def run_item(item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: int = 2) -> dict | None:
-    """Run one codec spec or baseline on every rank of this MPI job; rank 0 gets the measurement."""
-    if item in BASELINES:
+    """Run one item (codec or baseline) on every rank of this MPI job; rank 0 gets the measurement."""
+    head, cfg = item_config(item, cfg)
+    if head in BASELINES:
         from .baselines import run_baseline
 
-        rows = run_baseline(item, replace(cfg, steps=steps + warmup), steps + warmup, powersgd_rank)
+        rows = run_baseline(head, replace(cfg, steps=steps + warmup), steps + warmup, powersgd_rank)
         return measure(rows, warmup) if rows else None
     from .train import run
 
-    result = run(replace(cfg, codec=item, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
+    result = run(replace(cfg, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
     return measure(result.rows, warmup) if result.rank == 0 else None
 
 
@@ -172,9 +190,10 @@ def _tail(out: bytes | None, lines: int = 40) -> str:
 
 
 def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
-    if item == "compute":
+    head, cfg = item_config(item, cfg)
+    if head == "compute":
         return 1
-    if item in BASELINES:
+    if head in BASELINES:
         return workers
     return workers + (cfg.servers if cfg.topology == "ps" else 0)
 
@@ -263,13 +282,14 @@ def summarize(
         per_step = med["bytes_up"] + med["bytes_down"]
         ideal = NAN
         if t_compute is not None:
-            if item in BASELINES:
-                link = med["bytes_up"] / max(1, workers if item != "compute" else 1)
+            if item.split()[0] in BASELINES:
+                link = med["bytes_up"] / max(1, workers if item.split()[0] != "compute" else 1)
             else:
                 link = max(med["bytes_up"], med["bytes_down"]) / servers
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
             ideal = 1.0 / max(t_compute, t_net)
-        is_ddp = item in BASELINES
+        head = item.split()[0] if item.split() else item
+        is_ddp = head in BASELINES
         rows.append(
             BenchRow(
                 item,
@@ -296,14 +316,15 @@ def _num(value: float, width: int, digits: int) -> str:
 
 
 def table(rows: list[BenchRow]) -> str:
+    width = max([30, *(len(r.codec) for r in rows)])
     head = (
-        f"{'codec':30s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
+        f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
         f"{'srv cpu':>7s} {'ideal':>6s} {'of ideal':>8s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.codec:30s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
+            f"{r.codec:{width}s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
             f"{r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.hidden_comm_share, 6, 2)} "
             f"{_num(r.server_cpu, 7, 2)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
             + " ".join(f"{getattr(r, k) * 1e3:8.1f}" for k in BREAKDOWN)

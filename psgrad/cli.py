@@ -31,6 +31,20 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
     return specs
 
 
+def option_overrides(args: list[str]) -> dict:
+    """The RunConfig fields that train options ``args`` set (only those given), validated by click."""
+    from click.core import ParameterSource
+
+    try:
+        ctx = train.make_context("psgrad bench item", list(args))
+    except click.ClickException as err:
+        raise ValueError(f"{' '.join(args)!r}: {err.format_message()}") from None
+    given = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if "synthetic_classes" in given:
+        given["synthetic_classes"] = int(given["synthetic_classes"])
+    return given
+
+
 @main.command()
 @click.option("--size", type=click.IntRange(min=1), default=1 << 20, help="Gradient elements (fp32) to encode.")
 @click.option("--repeat", type=click.IntRange(min=1), default=5, help="Timed runs per codec; the median is reported.")
@@ -312,7 +326,8 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--codecs",
     "bench_codecs",
     default="none;qsgd:levels=16;topk:ratio=0.01;svd:rank=2",
-    help="Codec specs to compare, separated by ';' (none is the speed-up baseline).",
+    help="Codec specs to compare, separated by ';' (none is the speed-up baseline); a spec may be followed by "
+    "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01'.",
 )
 @click.option(
     "--baselines",
@@ -392,7 +407,12 @@ def bench(
 
     options["steps"] = options["steps"] or 20
     cfg = config_from(options)
-    specs = list(_codec_list(click.get_current_context(), None, bench_codecs))
+    specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
+    for item in specs + baselines:
+        try:
+            bench_module.item_config(item, cfg)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--codecs") from None
     header = (
         f"psgrad bench: model {cfg.model}, batch {cfg.batch_size}/worker, {cfg.steps} steps after {warmup} warm-up, "
         f"repeat {repeat}, data {cfg.dataset}, "

@@ -18,6 +18,8 @@ worker's layers for its step are all in, it gets the current parameters back —
 than ``staleness`` steps ahead of the slowest active worker, in which case the reply waits. Replies
 go to one worker at a time, so each worker has a shadow of its own.
 Control messages (stop, stats, BatchNorm buffers) arrive on their own tags.
+Evaluation with several servers: at an evaluation step every other server sends the values of its
+layers to server 0 (``send_values``), which keeps a receive per server posted while it evaluates.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .codecs import Codec, make_codec
 from .config import RunConfig
 from .optim import LayerOptimizer, learning_rate
 from .roles import Layer, Roles
-from .transport import TAG_CONTROL, Handle, Transport, layer_tag
+from .transport import TAG_CONTROL, TAG_VALUES, Handle, Transport, layer_tag
 from .worker import message_seed, upload_bound
 
 _CONTROL_BYTES = 4096
@@ -88,6 +90,10 @@ class ParameterServer:
         self.on_stats: Callable[[int, dict], None] | None = None
         self.on_buffers: Callable[[int, torch.Tensor], None] | None = None
         self.on_step_done: Callable[[int], None] | None = None
+        # server 0 with evaluation and other servers: their values arrive through on_values, and
+        # the loop keeps running after the workers stopped while still_waiting() says so
+        self.on_values: Callable[[int, int, torch.Tensor], None] | None = None
+        self.still_waiting: Callable[[], bool] = lambda: False
         self._buffer_acc: dict[int, list] = {}
 
     # ------------------------------------------------------------------ posting
@@ -102,8 +108,21 @@ class ParameterServer:
             # stats, buffers and stop share the control tag, so they arrive in the order sent
             control_bytes = max(_CONTROL_BYTES, wire.max_message_bytes("none", (self.buffers_size,), "__buffers__"))
             self._post(("control", w), control_bytes, w, TAG_CONTROL)
+        if self.on_values is not None:
+            for server in self.roles.server_ranks:
+                if server != self.rank:
+                    numel = sum(layer.numel for layer in self.layers if layer.owner == server)
+                    nbytes = wire.max_message_bytes("none", (numel,), "__values__")
+                    self._post(("values", server, numel), nbytes, server, TAG_VALUES)
         for layer in self.owned:
             self._reply(layer, self.workers, exact=True)
+
+    def send_values(self, step: int) -> None:
+        """Send the values of this server's layers after ``step`` to server 0 (for evaluation)."""
+        flat = torch.cat([self.values[layer.index] for layer in self.owned])
+        msg = make_codec("none").encode(flat)
+        msg.kind, msg.step, msg.layer, msg.sender = "params", step, "__values__", self.rank
+        self.sends.append(self.transport.isend(wire.dumps(msg), self.roles.server_ranks[0], TAG_VALUES))
 
     def _shadow_of(self, layer: Layer, workers: list[int]) -> torch.Tensor:
         return self.shadow[(layer.index, workers[0] if self.cfg.mode == "async" else -1)]
@@ -131,7 +150,7 @@ class ParameterServer:
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         self.start()
-        while self.active:
+        while self.active or self.still_waiting():
             self.doing = f"waiting for messages (step {self.completed_step + 1})"
             handles = list(self.pending.values())
             idle_before = self.transport.idle_seconds
@@ -161,6 +180,16 @@ class ParameterServer:
             self._on_grad(handle.key[1], self.layers[handle.key[2]], msg)
             if handle.peer in self.active:
                 self.pending[handle.key] = self.transport.repost(handle)
+        elif kind == "values":
+            numel = handle.key[2]
+            if msg.kind != "params" or msg.layer != "__values__" or msg.numel != numel:
+                raise RuntimeError(
+                    f"rank {handle.peer} sent {msg.kind} {msg.layer!r} of {msg.numel} values, expected its {numel} layer values"
+                )
+            values = make_codec("none").decode(msg).view(-1)
+            self.pending[handle.key] = self.transport.repost(handle)
+            if self.on_values is not None:
+                self.on_values(handle.peer, msg.step, values)
         elif msg.kind == "buffers":
             self._on_buffers(handle.peer, msg)
             self.pending[handle.key] = self.transport.repost(handle)

@@ -247,26 +247,36 @@ def _run_server(
         if rank == 0
         else None
     )
-    can_eval = rank == 0 and len(roles.server_ranks) == 1
+    can_eval = rank == 0
+    other_servers = [s for s in roles.server_ranks if s != rank]
     batches = _eval_source(cfg, eval_data, label) if can_eval else None
     aggregator = StepAggregator(roles.num_workers)
     pending_eval: dict[int, dict] = {}
 
-    def load_model() -> None:
+    def load_model(peers: dict[int, torch.Tensor] | None = None) -> None:
+        """Copy the values into the model: this server's own, and other servers' from ``peers``."""
+        flat_of = {layer.index: server.values[layer.index] for layer in layers if layer.owner == rank}
+        for owner, flat in (peers or {}).items():
+            offset = 0
+            for layer in (layer for layer in layers if layer.owner == owner):
+                flat_of[layer.index] = flat[offset : offset + layer.numel]
+                offset += layer.numel
         with torch.no_grad():
             for layer in layers:
+                if layer.index not in flat_of:
+                    continue
                 offset = 0
                 for n in layer.params:
-                    params[n].copy_(server.values[layer.index][offset : offset + params[n].numel()].view_as(params[n]))
+                    params[n].copy_(flat_of[layer.index][offset : offset + params[n].numel()].view_as(params[n]))
                     offset += params[n].numel()
 
     def maybe_eval(step: int) -> None:
         entry = pending_eval.get(step, {})
-        if "params" not in entry or "buffers" not in entry:
+        if "params" not in entry or "buffers" not in entry or len(entry.get("peers", {})) < len(other_servers):
             return
         del pending_eval[step]
         server.doing = f"evaluating after step {step}"
-        load_model()
+        load_model(entry.get("peers"))
         load_buffers_vector(model, entry["buffers"])
         log.evaluation(_eval_row(model, batches(), loss_fn, step, spe, label))
 
@@ -286,15 +296,25 @@ def _run_server(
         pending_eval.setdefault(step, {})["buffers"] = flat
         maybe_eval(step)
 
+    def on_values(owner: int, step: int, flat: torch.Tensor) -> None:
+        pending_eval.setdefault(step, {}).setdefault("peers", {})[owner] = flat
+        maybe_eval(step)
+
     def on_step_done(step: int) -> None:
-        if can_eval and _is_eval_step(cfg, step, spe, total):
-            pending_eval.setdefault(step, {})["params"] = True
-            maybe_eval(step)
+        if _is_eval_step(cfg, step, spe, total):
+            if can_eval:
+                pending_eval.setdefault(step, {})["params"] = True
+                maybe_eval(step)
+            else:
+                server.send_values(step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total:
             _save({"step": step + 1, "server": server.state_dict()}, _checkpoint_path(cfg, step + 1, rank))
 
     if rank == 0:
-        server.on_stats, server.on_buffers = on_stats, (on_buffers if can_eval else None)
+        server.on_stats, server.on_buffers = on_stats, on_buffers
+        if other_servers:
+            server.on_values = on_values
+            server.still_waiting = lambda: bool(pending_eval)
     server.on_step_done = on_step_done
     server.run()
     if can_eval:

@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 TAG_CONTROL = 1
+TAG_VALUES = 2  # server -> server 0: a server's layer values for evaluation
 TAG_LAYER_BASE = 16
 
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds

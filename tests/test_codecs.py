@@ -127,6 +127,28 @@ def test_svd_is_exact_for_low_rank_inputs(rank, sample):
     torch.testing.assert_close(codec.decode(codec.encode(grad, seed=5)), grad, rtol=1e-4, atol=1e-4)
 
 
+def test_randomized_svd_on_large_matrices():
+    from psgrad.codecs.svd import top_singular_triplets
+
+    torch.manual_seed(0)
+    low = (torch.randn(256, 2) @ torch.randn(2, 600)).view(256, 12, 50)
+    codec = make_codec("svd:rank=2")
+    torch.testing.assert_close(codec.decode(codec.encode(low, seed=1)), low, rtol=1e-4, atol=1e-4)
+    # a full-rank matrix with a decaying spectrum: the top triplets of the full SVD
+    u, _ = torch.linalg.qr(torch.randn(256, 256))
+    v, _ = torch.linalg.qr(torch.randn(600, 256))
+    spectrum = 0.7 ** torch.arange(256.0)
+    matrix = (u * spectrum) @ v.T
+    gen = torch.Generator().manual_seed(3)
+    uk, sk, vk = top_singular_triplets(matrix, 2, gen)
+    torch.testing.assert_close(sk, spectrum[:2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close((uk * sk) @ vk, (u[:, :2] * spectrum[:2]) @ v[:, :2].T, rtol=1e-3, atol=1e-4)
+    # the same seed gives the same message
+    grad = torch.randn(128, 300)
+    a, b = codec.encode(grad, seed=9), codec.encode(grad, seed=9)
+    assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+
+
 def test_svd_truncates_to_rank():
     grad = torch.randn(30, 20)
     msg = make_codec("svd:rank=2").encode(grad)

@@ -70,6 +70,14 @@ def test_two_servers_equal_one_server(tmp_path, codec):
     a, b = torch.load(tmp_path / "one.pt", weights_only=True), torch.load(tmp_path / "two.pt", weights_only=True)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    # server 0 of the two-server run gathered the other server's layers: it evaluated the full
+    # model, the same one the workers hold, with the same result as the single server
+    one_srv = torch.load(tmp_path / "one.pt.server", weights_only=True)
+    two_srv = torch.load(tmp_path / "two.pt.server", weights_only=True)
+    for name in a:
+        torch.testing.assert_close(two_srv["params"][name], b[name], rtol=0, atol=0, msg=name)
+    assert len(two_srv["evals"]) == 1
+    assert two_srv["evals"] == one_srv["evals"]
 
 
 def test_clean_shutdown_and_metrics(tmp_path):

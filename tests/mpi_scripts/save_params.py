@@ -1,4 +1,5 @@
-"""Under mpiexec: train with the given codec/options, the first worker saves its final parameters."""
+"""Under mpiexec: train with the given codec/options; the first worker saves its final parameters,
+server 0 the model it evaluated and its eval rows."""
 
 import sys
 
@@ -15,6 +16,8 @@ for item in extra:
     key, value = item.split("=")
     options[key] = type(getattr(RunConfig(), key))(value) if getattr(RunConfig(), key) is not None else int(value)
 result = run(RunConfig(**options))
+if result.rank == 0 and result.role == "server":
+    torch.save({"params": result.params, "evals": result.evals}, out + ".server")
 if result.role == "worker" and result.rank == servers:
     torch.save(result.params, out)
     print("SAVED", flush=True)
