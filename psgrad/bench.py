@@ -3,8 +3,7 @@
 Two ways to run it:
 
 * Started without MPI (``psgrad bench ...``), it is a launcher: every (round, item) is its own
-  ``mpiexec`` job (servers + workers ranks for a codec, workers ranks for DDP, one rank for the
-  compute-only baseline), optionally inside bandwidth-shaped network namespaces
+  ``mpiexec`` job (servers + workers ranks for a codec, workers ranks for a baseline), optionally inside bandwidth-shaped network namespaces
   (``--bandwidth``, see ``psgrad.netshape``). A job that fails or overruns ``--timeout`` stops
   the bench with the job's own error output.
 * Started under MPI (``mpiexec -n 3 psgrad bench ...``), all codecs run inside that one job
@@ -191,8 +190,6 @@ def _tail(out: bytes | None, lines: int = 40) -> str:
 
 def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     head, cfg = item_config(item, cfg)
-    if head == "compute":
-        return 1
     if head in BASELINES:
         return workers
     return workers + (cfg.servers if cfg.topology == "ps" else 0)
@@ -283,7 +280,7 @@ def summarize(
         ideal = NAN
         if t_compute is not None:
             if item.split()[0] in BASELINES:
-                link = med["bytes_up"] / max(1, workers if item.split()[0] != "compute" else 1)
+                link = med["bytes_up"] / workers
             else:
                 link = max(med["bytes_up"], med["bytes_down"]) / servers
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0

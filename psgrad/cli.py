@@ -333,7 +333,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--baselines",
     default="",
     callback=_baseline_list,
-    help="Extra rows, comma-separated: compute (one rank, no communication), ddp (torch DDP, gloo), "
+    help="Extra rows, comma-separated: compute (the workers train at once, no communication), ddp (torch DDP, gloo), "
     "ddp-powersgd (DDP with the PowerSGD hook). Needs the launcher mode (no mpiexec).",
 )
 @click.option("--warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures.")

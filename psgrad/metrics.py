@@ -47,6 +47,20 @@ class StepAggregator:
         return row
 
 
+def tensorboard_writer(directory: Path):
+    """A TensorBoard SummaryWriter: tensorboardX (light: protobuf only), else torch's (needs tensorboard)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise RuntimeError(
+                "--tensorboard needs tensorboardX: pip install 'psgrad[tensorboard]' (or pip install tensorboardX)"
+            ) from None
+    return SummaryWriter(str(directory))
+
+
 class MetricsLog:
     """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar."""
 
@@ -78,9 +92,7 @@ class MetricsLog:
                 self._files[name], self._writers[name] = f, writer
         self.tb = None
         if tensorboard and self.dir:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-            self.tb = SummaryWriter(str(self.dir / "tb"))
+            self.tb = tensorboard_writer(self.dir / "tb")
         self.bar = None
         if progress:
             from tqdm import tqdm

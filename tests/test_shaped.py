@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from test_bench import SMALL, _launcher
 from psgrad import netshape
 
 needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not sys.platform.startswith("linux"),
-    reason="shaped runs need root on Linux (network namespaces, veth, tc)",
+    os.geteuid() != 0 or not sys.platform.startswith("linux") or not (shutil.which("ip") and shutil.which("tc")),
+    reason="shaped runs need root on Linux with iproute2 (network namespaces, veth, tc)",
 )
 
 

@@ -184,12 +184,18 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
         "--no-progress",
         "--log-dir",
         str(log),
+        "--tensorboard",
     ]
     proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (log / "eval.csv").read_text().splitlines()
     assert rows[0] == "epoch,step,test_loss,test_acc,dataset" and rows[-1].endswith("synthetic")
     assert float(rows[-1].split(",")[3]) > 0.5  # 10 classes: chance is 0.1
+    # the TensorBoard events hold the same numbers as the CSV files
+    scalars = _tensorboard_scalars(log / "tb")
+    metrics = (log / "metrics.csv").read_text().splitlines()[1:]
+    assert [step for step, _ in scalars["train/loss"]] == [int(r.split(",")[0]) for r in metrics]
+    assert [round(v, 4) for _, v in scalars["test/acc"]] == [round(float(r.split(",")[3]), 4) for r in rows[1:]]
     out = tmp_path / "plot.png"
     from click.testing import CliRunner
 
@@ -198,3 +204,21 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
     result = CliRunner().invoke(main, ["plot", str(log), str(log), "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _tensorboard_scalars(directory):
+    """{tag: [(step, value)]} from TensorBoard event files (TFRecord framing of Event protobufs)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack_from("<Q", data, pos)
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4  # length, its CRC, the record, its CRC
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
