@@ -22,6 +22,9 @@ TAG_VALUES = 2  # server -> server 0: a server's layer values for evaluation
 TAG_LAYER_BASE = 16
 
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
+# the server waits for many messages spread over a step: spinning there is CPU taken from the
+# workers on a shared machine, and a late wake-up costs it little
+SERVER_SPIN_TESTS = 2
 _MIN_SLEEP = 50e-6
 _MAX_SLEEP = 1e-3
 
@@ -56,14 +59,15 @@ class Handle:
 class Backoff:
     """Sleep a little longer each time nothing happened; reset when something did."""
 
-    def __init__(self) -> None:
+    def __init__(self, spins: int = _SPIN_TESTS) -> None:
+        self.spins = spins
         self.tries = 0
         self.delay = _MIN_SLEEP
         self.slept = 0.0
 
     def idle(self) -> None:
         self.tries += 1
-        if self.tries <= _SPIN_TESTS:
+        if self.tries <= self.spins:
             return
         time.sleep(self.delay)
         self.slept += self.delay
@@ -83,6 +87,7 @@ class Transport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.idle_seconds = 0.0
+        self._statuses: list[MPI.Status] = []
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
@@ -111,20 +116,22 @@ class Transport:
         """Indices of the handles that completed now (each is reported once)."""
         if not handles:
             return []
-        statuses = [MPI.Status() for _ in handles]
+        while len(self._statuses) < len(handles):
+            self._statuses.append(MPI.Status())
+        statuses = self._statuses[: len(handles)]  # reused: a poll allocates no Status objects
         done = MPI.Request.Testsome([h.request for h in handles], statuses)
         if not done:
             return []
         for position, i in enumerate(done):
-            handles[i].status = statuses[position]  # statuses follow completion order, not request order
+            handles[i].status = MPI.Status(statuses[position])  # completion order, not request order
             self._complete(handles[i])
         return list(done)
 
-    def wait_some(self, handles: Sequence[Handle], timeout: float | None = None) -> list[int]:
-        """Block (with back-off) until at least one handle completes; [] on timeout or if none is active."""
+    def wait_some(self, handles: Sequence[Handle], timeout: float | None = None, spins: int = _SPIN_TESTS) -> list[int]:
+        """Block (with back-off after ``spins`` tests) until a handle completes; [] on timeout or if none is active."""
         if not handles:
             return []
-        backoff = Backoff()
+        backoff = Backoff(spins)
         start = time.perf_counter()
         while True:
             done = self.test_some(handles)
