@@ -255,6 +255,10 @@ def _child(job_path: str) -> None:
     m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"])
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
+    if job["item"].split()[0] in BASELINES:
+        from .transport import finalize_and_exit
+
+        finalize_and_exit(0)
 
 
 # ---------------------------------------------------------------------- the table

@@ -241,3 +241,16 @@ def world_size() -> int:
 
 def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
+
+
+def finalize_and_exit(code: int = 0) -> None:
+    """Finalize MPI, flush, and leave the process without running interpreter teardown.
+
+    After a torch.distributed (gloo) job, interpreter teardown can destroy a gloo thread still
+    joinable and abort the process ("terminate called without an active exception") after all
+    the work was done; ``os._exit`` skips that teardown.
+    """
+    MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
