@@ -174,7 +174,10 @@ class Worker:
             for name in layer.params:
                 param = self.params[name]
                 part = values[offset : offset + param.numel()].view_as(param)
-                param.add_(part) if msg.kind == "delta" else param.copy_(part)
+                if msg.kind == "delta":
+                    param.add_(part)
+                else:
+                    param.copy_(part)
                 offset += param.numel()
         self.stats.decode += mid - start
         self.stats.apply += time.perf_counter() - mid
