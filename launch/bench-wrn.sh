@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The WRN-16-4 tables of docs/benchmarks.md: 1 server + 2 workers at loopback, 1 Gbit/s and 100 Mbit/s.
-# Usage: bash launch/bench-wrn.sh [OUT_DIR] [STEPS] [REPEAT]   (shaped runs need root; see docs/benchmarks.md)
+# Usage: bash launch/bench-wrn.sh [OUT_DIR] [STEPS] [REPEAT] [NETWORKS]   (shaped runs need root;
+# NETWORKS defaults to "loopback 1gbit 100mbit"; see docs/benchmarks.md)
 set -euo pipefail
 out=${1:-bench-wrn}
 steps=${2:-10}
 repeat=${3:-2}
+networks=${4:-loopback 1gbit 100mbit}
 here=$(cd "$(dirname "$0")/.." && pwd)
 psgrad=${PSGRAD:-$here/.venv/bin/psgrad}
 mkdir -p "$out"
@@ -12,10 +14,10 @@ codecs="none"
 codecs+=";fp16 --down-codec fp16"
 codecs+=";qsgd:levels=16 --down-codec qsgd:levels=16"
 codecs+=";topk:ratio=0.01,approx=1 --feedback ef --down-codec topk:ratio=0.01,approx=1"
-codecs+=";randomk:ratio=0.01 --feedback ef --down-codec randomk:ratio=0.01"
 codecs+=";sign --feedback ef --down-codec sign"
+codecs+=";sign --feedback ef --down-codec qsgd:levels=16"
 codecs+=";svd:rank=2 --feedback ef --down-codec svd:rank=2"
-for net in loopback 1gbit 100mbit; do
+for net in $networks; do
   shape=()
   [ "$net" = loopback ] || shape=(--bandwidth "$net")
   "$psgrad" bench --model wrn --depth 16 --widen-factor 4 --batch-size 16 --steps "$steps" --warmup 3 \

@@ -64,6 +64,7 @@ class BenchRow:
     runs: int
     hidden_comm_share: float
     server_cpu: float = NAN
+    loss: float = NAN
     ideal_it_per_s: float = NAN
     of_ideal: float = NAN
     forward: float = 0.0
@@ -90,6 +91,8 @@ def measure(rows: list[dict], warmup: int) -> dict:
     out = {"it_per_s": (len(wall) - 1) / span if span > 0 else 1.0 / tail[0]["step_time"]}
     for key in ("bytes_up", "bytes_down", *BREAKDOWN):
         out[key] = statistics.fmean(r[key] for r in tail)
+    # the last measured step's loss: a diverging configuration shows itself in the table
+    out["loss"] = float(tail[-1].get("loss", NAN))
     cpu = [r.get("server_cpu") for r in tail]
     out["server_cpu"] = (cpu[-1] - cpu[0]) / span if span > 0 and None not in cpu and "" not in cpu else NAN
     return out
@@ -304,6 +307,7 @@ def summarize(
                 len(ms),
                 NAN if is_ddp else hidden_share(med),
                 med.get("server_cpu", NAN),
+                med.get("loss", NAN),
                 ideal,
                 med["it_per_s"] / ideal if ideal == ideal else NAN,
                 **{k: med[k] for k in BREAKDOWN},
@@ -320,19 +324,19 @@ def table(rows: list[BenchRow]) -> str:
     width = max([30, *(len(r.codec) for r in rows)])
     head = (
         f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
-        f"{'srv cpu':>7s} {'ideal':>6s} {'of ideal':>8s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
+        f"{'srv cpu':>7s} {'loss':>8s} {'ideal':>6s} {'of ideal':>8s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.codec:{width}s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
             f"{r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.hidden_comm_share, 6, 2)} "
-            f"{_num(r.server_cpu, 7, 2)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
+            f"{_num(r.server_cpu, 7, 2)} {_num(r.loss, 8, 3)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
             + " ".join(f"{getattr(r, k) * 1e3:8.1f}" for k in BREAKDOWN)
         )
     lines.append(
         "times in ms per step (mean over workers); MB/step = bytes sent per step by all ranks; "
-        "srv cpu = server CPU seconds per second; '-' = not applicable"
+        "srv cpu = server CPU seconds per second; loss = training loss at the last step; '-' = not applicable"
     )
     return "\n".join(lines)
 

@@ -75,6 +75,16 @@ class RunConfig:
             except ValueError as err:
                 raise ValueError(f"--{spec_field.replace('_', '-')}: {err}") from None
         need(self.feedback in FEEDBACKS, f"--feedback must be one of {FEEDBACKS}, got {self.feedback!r}")
+        need(
+            self.feedback == "none" or make_codec(self.codec).feedback_safe,
+            f"--feedback {self.feedback} around {self.codec} diverges: the codec rescales the few values it keeps, "
+            "so the residual memory grows every step (use topk, threshold, sign or svd with feedback)",
+        )
+        need(
+            make_codec(self.down_codec).feedback_safe,
+            f"--down-codec {self.down_codec} diverges: the down-link keeps what the codec did not send for later "
+            "steps (error feedback), which grows without bound for a codec that rescales the values it keeps",
+        )
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(

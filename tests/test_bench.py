@@ -64,11 +64,13 @@ def test_bench_launcher_with_baselines(tmp_path):
     # a ring allreduce of fp32 over 2 workers: each sends the whole model once
     assert rows["ddp"]["bytes_per_step"] == 2 * 4 * numel
     assert rows["ddp-powersgd"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10
-    assert rows["compute"]["bytes_per_step"] == 0 and rows["compute"]["of_ideal"] == 1.0
+    assert rows["compute"]["bytes_per_step"] == 0 and rows["compute"]["of_ideal"] == pytest.approx(1.0)
     assert rows["none"]["bytes_up"] >= 2 * 4 * numel  # two workers push the dense gradient
     assert rows["qsgd:levels=4"]["compression"] > 1.5
+    assert all(0 < rows[name]["loss"] < 10 for name in ("none", "qsgd:levels=4", "compute", "ddp"))
     # unshaped: the ideal of every row is the compute-only rate
-    assert {r["ideal_it_per_s"] for r in rows.values()} == {rows["compute"]["it_per_s"]}
+    for r in rows.values():
+        assert r["ideal_it_per_s"] == pytest.approx(rows["compute"]["it_per_s"])
     assert rows["ddp"]["hidden_comm_share"] is None and rows["ddp"]["server_cpu"] is None
 
 

@@ -73,3 +73,25 @@ def test_state_round_trip(kind, tmp_path):
 def test_unknown_feedback():
     with pytest.raises(ValueError, match="unknown feedback"):
         make_feedback("bogus", make_codec("none"))
+
+
+@pytest.mark.parametrize("spec, bounded", [("randomk:ratio=0.01", False), ("topk:ratio=0.01", True), ("sign", True)])
+def test_error_feedback_memory_stays_bounded_only_for_contractive_codecs(spec, bounded):
+    torch.manual_seed(0)
+    ef = ErrorFeedback(make_codec(spec))
+    for step in range(300):
+        grad = torch.randn(10_000)
+        ef.encode("layer", grad, seed=step)
+    ratio = float(ef.residuals["layer"].norm() / grad.norm())
+    assert (ratio < 10) == bounded, ratio
+    assert make_codec(spec).feedback_safe == bounded
+
+
+def test_feedback_and_down_link_refuse_rescaling_codecs():
+    from psgrad.config import RunConfig
+
+    with pytest.raises(ValueError, match="--feedback ef around randomk:ratio=0.01 diverges"):
+        RunConfig(codec="randomk:ratio=0.01", feedback="ef").validate()
+    with pytest.raises(ValueError, match="--down-codec randomk:ratio=0.01 diverges"):
+        RunConfig(down_codec="randomk:ratio=0.01").validate()
+    RunConfig(codec="randomk:ratio=0.01").validate()  # plain random-k (no memory) is fine

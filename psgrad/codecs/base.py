@@ -101,6 +101,16 @@ class Codec:
         return f"make_codec({self.spec!r})"
 
     @property
+    def feedback_safe(self) -> bool:
+        """Whether error feedback around this codec stays bounded.
+
+        Error feedback keeps x - D(C(x)) for the next step; that shrinks only when the codec is
+        contractive (||x - D(C(x))|| < ||x||). Codecs that rescale a few coordinates to stay
+        unbiased (random-k multiplies by n/k) make the memory grow every step instead.
+        """
+        return True
+
+    @property
     def unbiased(self) -> bool:
         """True when E[decode(encode(g))] == g."""
         return False

@@ -32,6 +32,12 @@ class RandomKCodec(Codec):
     def unbiased(self) -> bool:
         return True
 
+    @property
+    def feedback_safe(self) -> bool:
+        # a kept coordinate leaves a residual of (1 - c n/k) x_i (c = times drawn): at least as
+        # large as x_i for any ratio < 1, so the memory grows without bound
+        return float(self.params["ratio"]) >= 1.0
+
     def k_for(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(float(self.params["ratio"]) * numel))) if numel else 0
 
