@@ -241,6 +241,8 @@ def orchestrate(
                 print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
                 started = time.perf_counter()
                 _run_job(cmd, env, timeout)
+                if not out.exists():
+                    raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
                 m = json.loads(out.read_text())
                 results[item].append(m)
                 print(

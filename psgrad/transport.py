@@ -248,8 +248,10 @@ def finalize_and_exit(code: int = 0) -> None:
 
     After a torch.distributed (gloo) job, interpreter teardown can destroy a gloo thread still
     joinable and abort the process ("terminate called without an active exception") after all
-    the work was done; ``os._exit`` skips that teardown.
+    the work was done; ``os._exit`` skips that teardown. The barrier first: a rank that left early
+    was seen to take a slower rank down with it (exit status 0, its result never written).
     """
+    MPI.COMM_WORLD.Barrier()
     MPI.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
