@@ -146,6 +146,13 @@ RUN_OPTIONS = [
         click.Choice(["layer", "model"]),
         "One message per parameter tensor, or the whole model as one.",
     ),
+    (
+        "--bucket-vectors/--no-bucket-vectors",
+        "bucket_vectors",
+        None,
+        "layer granularity: send all 1-D parameters (biases, norm scales and shifts) as one uncompressed "
+        "message per step, or each as its own compressed layer.",
+    ),
     ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
     ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
     ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),

@@ -33,6 +33,7 @@ class RunConfig:
     dgc_clip_norm: float | None = None
     dgc_warmup_epochs: int = 0
     granularity: str = "layer"
+    bucket_vectors: bool = True
     # optimisation
     optimizer: str = "sgd"
     lr: float = 0.1

@@ -47,13 +47,14 @@ class ErrorFeedback(NoFeedback):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
-        corrected = grad.detach().float()
-        if layer in self.residuals:
-            corrected = corrected + self.residuals[layer]
-        msg = self.codec.encode(corrected, seed=seed)
-        residual = corrected.clone()
-        self.codec.decode_add(msg, residual, alpha=-1.0)
-        self.residuals[layer] = residual
+        # one buffer per layer holds e, then g', then the new e: no per-step allocation
+        memory = self.residuals.get(layer)
+        if memory is None:
+            memory = self.residuals[layer] = grad.detach().to(torch.float32, copy=True)
+        else:
+            memory.add_(grad.detach())
+        msg = self.codec.encode(memory, seed=seed)
+        self.codec.decode_add(msg, memory, alpha=-1.0)
         return msg
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from .feedback import NoFeedback
 from .optim import LayerOptimizer, learning_rate
 from .roles import Layer
 from .transport import Transport
-from .worker import StepStats, encode_gradient
+from .worker import GradientGate, StepStats, encode_gradient, layer_grad
 
 
 class PeerWorker:
@@ -49,6 +49,7 @@ class PeerWorker:
         self.steps_per_epoch = steps_per_epoch
         self.doing = "starting"
         self.step = 0
+        self.gate = GradientGate(layers)
         self._hooks = []
         if cfg.granularity == "layer":
             for name, param in self.params.items():
@@ -57,8 +58,10 @@ class PeerWorker:
 
     def _grad_ready(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            self._encode(self.layer_of[name], param.grad)
-            self._pump()
+            layer = self.layer_of[name]
+            if self.gate.arrived(layer):
+                self._encode(layer, param.grad if len(layer.params) == 1 else layer_grad(self.params, layer))
+                self._pump()
 
         return hook
 
@@ -110,6 +113,7 @@ class PeerWorker:
 
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor, loss_fn) -> StepStats:
         self.step, self.stats = step, StepStats(step=step)
+        self.gate.reset()
         self.ready: dict[int, bytes] = {}
         self.inflight: list[list] = []
         self.next = 0
@@ -124,13 +128,7 @@ class PeerWorker:
         loss.backward()
         for layer in self.layers:
             if layer.index not in self.ready:
-                parts = [
-                    (
-                        self.params[n].grad if self.params[n].grad is not None else torch.zeros_like(self.params[n])
-                    ).reshape(-1)
-                    for n in layer.params
-                ]
-                self._encode(layer, torch.cat(parts))
+                self._encode(layer, layer_grad(self.params, layer))
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: exchanging gradients"
         while self.next < len(self.order) or self.inflight:

@@ -10,7 +10,8 @@ Sync mode, per layer l owned by this server:
    message is l's new value (``params``). With any other down-codec it is the encoded change
    since what the workers hold (``delta``): the server keeps a copy of the workers' l (the
    shadow), encodes value - shadow and adds the decoded message to the shadow, so what the codec
-   dropped is sent in later steps (error feedback on the down-link) and never lost.
+   dropped is sent in later steps (error feedback on the down-link) and never lost. A layer that
+   is not compressed (the bucket of 1-D parameters) always goes back as its value.
 4. At start every worker gets the shadow exactly (``params``, uncompressed): fresh or resumed,
    workers and shadow agree from the first step on.
 Async mode: each worker's gradient is applied alone (weight 1/W) the moment it arrives; when a
@@ -64,13 +65,16 @@ class ParameterServer:
         self.steps_per_epoch = steps_per_epoch
         self.optimizer = LayerOptimizer.from_config(cfg)
         self.down_codec = make_codec(cfg.down_codec)
+        self.exact_codec = make_codec("none")
         self.send_deltas = self.down_codec.name != "none"
         # what the workers hold of each owned layer: one copy in sync mode, one per worker in async
         self.shadow: dict[tuple[int, int], torch.Tensor] = {}
         if self.send_deltas:
-            for layer in self.owned:
+            for layer in (layer for layer in self.owned if layer.compress):
                 for w in self.workers if cfg.mode == "async" else [-1]:
                     self.shadow[(layer.index, w)] = values[layer.index].clone()
+        # value - shadow of each layer is formed here, not in a fresh allocation every step
+        self.scratch = {i: torch.empty(v.numel()) for (i, _), v in self.shadow.items()}
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.owned}
         self.count = {layer.index: 0 for layer in self.owned}
         self.layer_step = {layer.index: start_step for layer in self.owned}
@@ -130,16 +134,17 @@ class ParameterServer:
     def _reply(self, layer: Layer, workers: list[int], exact: bool = False) -> None:
         """Send ``layer`` to ``workers``: its value (exact, or --down-codec none) or its encoded change."""
         step = self.layer_step[layer.index]
-        if not self.send_deltas:
-            msg = self.down_codec.encode(self.values[layer.index].view(layer.shape))
+        if not self.send_deltas or not layer.compress:
+            msg = self.exact_codec.encode(self.values[layer.index].view(layer.shape))
             msg.kind = "params"
         elif exact:
-            msg = make_codec("none").encode(self._shadow_of(layer, workers).view(layer.shape))
+            msg = self.exact_codec.encode(self._shadow_of(layer, workers).view(layer.shape))
             msg.kind = "params"
         else:
             shadow = self._shadow_of(layer, workers)
             seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
-            msg = self.down_codec.encode((self.values[layer.index] - shadow).view(layer.shape), seed=seed)
+            change = torch.sub(self.values[layer.index], shadow, out=self.scratch[layer.index])
+            msg = self.down_codec.encode(change.view(layer.shape), seed=seed)
             self.down_codec.decode_add(msg, shadow)
             msg.kind = "delta"
         msg.step, msg.layer, msg.sender = step, layer.name, self.rank

@@ -167,7 +167,7 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, sta
         )
     )
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    layers = plan_layers(named, cfg.granularity, cfg.servers if cfg.topology == "ps" else 1)
+    layers = plan_layers(named, cfg.granularity, cfg.servers if cfg.topology == "ps" else 1, cfg.bucket_vectors)
     is_server = roles.is_server(rank)
     label = "synthetic" if cfg.dataset == "synthetic" and loader_fn is None else cfg.dataset
 

@@ -30,19 +30,56 @@ def message_seed(run_seed: int, step: int, layer: int, rank: int) -> int:
     return ((run_seed * 1_000_003 + step) * 65_537 + layer * 4_099 + rank) % (2**63)
 
 
+_EXACT = make_codec("none")
+
+
 def encode_gradient(
     feedback: NoFeedback, layer: Layer, grad: torch.Tensor, step: int, rank: int, run_seed: int
 ) -> bytes:
-    """Feedback -> codec -> wire for one layer's gradient: the bytes a worker sends."""
-    msg = feedback.encode(
-        layer.name, grad.detach().reshape(layer.shape), message_seed(run_seed, step, layer.index, rank)
-    )
+    """Feedback -> codec -> wire for one layer's gradient: the bytes a worker sends
+    (an uncompressed layer skips feedback and codec: it goes exact)."""
+    grad = grad.detach().reshape(layer.shape)
+    if layer.compress:
+        msg = feedback.encode(layer.name, grad, message_seed(run_seed, step, layer.index, rank))
+    else:
+        msg = _EXACT.encode(grad)
     msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, rank
     return wire.dumps(msg)
 
 
+def layer_grad(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
+    """``layer``'s gradient as one flat tensor (zeros for parameters that got none)."""
+    parts = [
+        (params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])).reshape(-1)
+        for n in layer.params
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class GradientGate:
+    """Tells when the last parameter of a layer got its gradient in this step's backward.
+
+    Per-parameter hooks fire one at a time; a layer of several parameters (the 1-D bucket) is
+    complete only with the last of them.
+    """
+
+    def __init__(self, layers: list[Layer]) -> None:
+        self.layers = layers
+        self.reset()
+
+    def reset(self) -> None:
+        self.missing = {layer.index: len(layer.params) for layer in self.layers}
+
+    def arrived(self, layer: Layer) -> bool:
+        """Count one parameter of ``layer`` in; True when it was the last one."""
+        self.missing[layer.index] -= 1
+        return self.missing[layer.index] == 0
+
+
 def upload_bound(cfg: RunConfig, layer: Layer) -> int:
     """Largest gradient message a worker may send for ``layer`` (DGC warm-up sends more early on)."""
+    if not layer.compress:
+        return wire.max_message_bytes("none", layer.shape, layer.name)
     spec = cfg.codec
     codec = make_codec(spec)
     if cfg.feedback == "dgc" and cfg.dgc_warmup_epochs > 0 and "ratio" in codec.params:
@@ -106,7 +143,10 @@ class Worker:
         self.exact_codec = make_codec("none")
         # the first message of a layer is its exact value, later ones may be the down-codec's deltas
         self.bounds = [
-            max(wire.max_message_bytes(spec, layer.shape, layer.name) for spec in {cfg.down_codec, "none"})
+            max(
+                wire.max_message_bytes(spec, layer.shape, layer.name)
+                for spec in ({cfg.down_codec, "none"} if layer.compress else {"none"})
+            )
             for layer in layers
         ]
         self.buffers = [bytearray(b) for b in self.bounds]
@@ -115,6 +155,7 @@ class Worker:
         self.sends: list[Handle] = []
         self.sent: set[int] = set()
         self.step = 0
+        self.gate = GradientGate(layers)
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
@@ -167,6 +208,12 @@ class Worker:
         if msg.codec not in (self.down_codec.name, "none"):
             raise RuntimeError(f"{layer.name!r} arrived encoded with {msg.codec!r}, expected {self.down_codec.name!r}")
         codec = self.down_codec if msg.codec == self.down_codec.name else self.exact_codec
+        if msg.kind == "delta" and len(layer.params) == 1:
+            # the common case: decode straight into the parameter, no dense temporary
+            with torch.no_grad():
+                codec.decode_add(msg, self.params[layer.params[0]])
+            self.stats.decode += time.perf_counter() - start
+            return
         values = codec.decode(msg, device=self.device).view(-1)
         mid = time.perf_counter()
         with torch.no_grad():
@@ -190,7 +237,8 @@ class Worker:
     def _grad_ready(self, name: str):
         def hook(param: torch.Tensor) -> None:
             layer = self.layer_of[name]
-            self.push(layer, param.grad)
+            if self.gate.arrived(layer):
+                self.push(layer, param.grad if len(layer.params) == 1 else layer_grad(self.params, layer))
 
         return hook
 
@@ -204,22 +252,16 @@ class Worker:
         self.sends = self.transport.progress(self.sends)
         self.stats.encode += time.perf_counter() - start
 
-    def _flat_grad(self, layer: Layer) -> torch.Tensor:
-        parts = []
-        for name in layer.params:
-            p = self.params[name]
-            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
     def push_missing(self) -> None:
         """Layers whose hook did not fire (model granularity, unused parameters) are sent now."""
         for layer in self.layers:
             if layer.index not in self.sent:
-                self.push(layer, self._flat_grad(layer))
+                self.push(layer, layer_grad(self.params, layer))
 
     # ------------------------------------------------------------------ step
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor, loss_fn) -> StepStats:
         self.step, self.sent, self.stats = step, set(), StepStats(step=step)
+        self.gate.reset()
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
         self.model.train()

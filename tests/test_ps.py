@@ -17,8 +17,16 @@ def _ok(proc, marker):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--nesterov"], ["--model-granularity"], ["--delta-down"]],
-    ids=["sgd", "nesterov", "model-granularity", "delta-down"],
+    [
+        [],
+        ["--nesterov"],
+        ["--model-granularity"],
+        ["--delta-down"],
+        ["--alltoall"],
+        ["--sign-one-step"],
+        ["--sign-one-step", "--no-bucket-vectors"],
+    ],
+    ids=["sgd", "nesterov", "model-granularity", "delta-down", "alltoall", "vectors-exact", "vectors-coded"],
 )
 def test_none_codec_through_server_equals_averaged_sgd(flags):
     _ok(run_script("reference.py", *flags), "REFERENCE OK")
@@ -154,3 +162,17 @@ def test_roles_and_plan():
         Roles(2, 2)
     layers = plan_layers([("a", (3, 4)), ("b", (4,))], "model", 1)
     assert len(layers) == 1 and layers[0].shape == (16,)
+
+
+def test_plan_buckets_vectors_first_and_uncompressed():
+    named = [("conv.w", (4, 3, 3, 3)), ("bn.w", (4,)), ("bn.b", (4,)), ("fc.w", (10, 4)), ("fc.b", (10,))]
+    layers = plan_layers(named, "layer", 2, bucket_vectors=True)
+    assert [(layer.name, layer.params, layer.compress) for layer in layers] == [
+        ("__vectors__", ("bn.w", "bn.b", "fc.b"), False),
+        ("conv.w", ("conv.w",), True),
+        ("fc.w", ("fc.w",), True),
+    ]
+    assert layers[0].shape == (18,) and [layer.index for layer in layers] == [0, 1, 2]
+    plain = plan_layers(named, "layer", 2, bucket_vectors=False)
+    assert [layer.name for layer in plain] == [n for n, _ in named] and all(layer.compress for layer in plain)
+    assert plan_layers([("w", (3, 3))], "layer", 1, bucket_vectors=True)[0].name == "w"  # no vectors, no bucket

