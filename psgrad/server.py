@@ -35,7 +35,7 @@ from .codecs import Codec, make_codec
 from .config import RunConfig
 from .optim import LayerOptimizer, learning_rate
 from .roles import Layer, Roles
-from .transport import SERVER_SPIN_TESTS, TAG_CONTROL, TAG_VALUES, Handle, Transport, layer_tag
+from .transport import SERVER_PATIENCE, TAG_CONTROL, TAG_VALUES, Handle, Transport, layer_tag
 from .worker import message_seed, upload_bound
 
 _CONTROL_BYTES = 4096
@@ -159,7 +159,7 @@ class ParameterServer:
             self.doing = f"waiting for messages (step {self.completed_step + 1})"
             handles = list(self.pending.values())
             idle_before = self.transport.idle_seconds
-            done = self.transport.wait_some(handles, spins=SERVER_SPIN_TESTS)
+            done = self.transport.wait_some(handles, patience=SERVER_PATIENCE)
             self.times["idle"] += self.transport.idle_seconds - idle_before
             for i in done:
                 handle = handles[i]
