@@ -53,9 +53,7 @@ class ErrorFeedback(NoFeedback):
             memory = self.residuals[layer] = grad.detach().to(torch.float32, copy=True)
         else:
             memory.add_(grad.detach())
-        msg = self.codec.encode(memory, seed=seed)
-        self.codec.decode_add(msg, memory, alpha=-1.0)
-        return msg
+        return self.codec.encode_residual(memory, seed=seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"residual/{k}": v for k, v in self.residuals.items()}

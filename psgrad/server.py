@@ -145,6 +145,7 @@ class ParameterServer:
             seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
             change = torch.sub(self.values[layer.index], shadow, out=self.scratch[layer.index])
             msg = self.down_codec.encode(change.view(layer.shape), seed=seed)
+            # the same decode_add the workers run on their parameters: the shadow stays bit-exact
             self.down_codec.decode_add(msg, shadow)
             msg.kind = "delta"
         msg.step, msg.layer, msg.sender = step, layer.name, self.rank

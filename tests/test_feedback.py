@@ -95,3 +95,17 @@ def test_feedback_and_down_link_refuse_rescaling_codecs():
     with pytest.raises(ValueError, match="--down-codec randomk:ratio=0.01 diverges"):
         RunConfig(down_codec="randomk:ratio=0.01").validate()
     RunConfig(codec="randomk:ratio=0.01").validate()  # plain random-k (no memory) is fine
+
+
+@pytest.mark.parametrize("spec", ["sign", "topk:ratio=0.1", "qsgd:levels=4", "none"])
+def test_encode_residual_is_encode_then_subtract_decoded(spec):
+    codec = make_codec(spec)
+    x = torch.randn(1000) * 3
+    x[::7] = 0.0  # exact zeros: sign sends them as +scale, the residual must say so
+    residual = x.clone()
+    msg = codec.encode_residual(residual, seed=5)
+    reference = codec.encode(x, seed=5)
+    assert msg.arrays.keys() == reference.arrays.keys()
+    for key in msg.arrays:
+        torch.testing.assert_close(msg.arrays[key], reference.arrays[key], rtol=1e-6, atol=0)
+    torch.testing.assert_close(residual, x - codec.decode(msg), rtol=0, atol=1e-5)

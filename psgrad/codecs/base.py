@@ -137,6 +137,16 @@ class Codec:
         """``out += alpha * decode(msg)`` (the server's hot loop); sparse codecs avoid the dense temporary."""
         out.view(-1).add_(self._decode(msg, out.device), alpha=alpha)
 
+    def encode_residual(self, x: torch.Tensor, seed: int = 0) -> Message:
+        """Encode fp32 ``x`` and leave in ``x`` what the message lost: ``x -= decode(msg)``.
+
+        Error feedback needs exactly this; a codec may fuse the two halves (sign reuses its
+        decoded signs for the scale and the residual).
+        """
+        msg = self.encode(x, seed=seed)
+        self.decode_add(msg, x, alpha=-1.0)
+        return msg
+
     def check(self, msg: Message) -> None:
         """Raise ValueError unless ``msg`` is a well-formed message of this codec."""
         expected = self._expected(msg)

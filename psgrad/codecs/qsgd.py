@@ -42,27 +42,35 @@ class QSGDCodec(Codec):
     def _buckets(self, numel: int) -> int:
         return -(-numel // int(self.params["bucket"]))
 
+    @staticmethod
+    def _per_bucket(values: torch.Tensor, bucket: int, factors: torch.Tensor) -> torch.Tensor:
+        """values[i] *= factors[i // bucket] in place, without padding or repeating ``factors``."""
+        full = values.numel() // bucket * bucket
+        values[:full].view(-1, bucket).mul_(factors[: full // bucket, None])
+        if full < values.numel():
+            values[full:].mul_(factors[-1])
+        return values
+
     def _encode(self, flat, shape, seed):
         n, bucket, s = flat.numel(), int(self.params["bucket"]), int(self.params["levels"])
-        nb = self._buckets(n)
-        padded = torch.nn.functional.pad(flat, (0, nb * bucket - n)).view(nb, bucket)
-        norms = torch.linalg.vector_norm(padded, dim=1)
+        full = n // bucket * bucket
+        norms = torch.linalg.vector_norm(flat[:full].view(-1, bucket), dim=1)
+        if full < n:
+            norms = torch.cat([norms, torch.linalg.vector_norm(flat[full:]).reshape(1)])
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        scaled = (padded.abs() * inv[:, None]).view(-1)[:n]
-        rand = torch.rand(n, generator=_bits.generator(seed, flat.device), device=flat.device)
-        levels = (scaled + rand).floor_().clamp_(max=s).to(torch.uint8)
+        scaled = self._per_bucket(flat.abs(), bucket, inv)
+        levels = scaled.add_(_bits.uniform(n, seed, flat.device)).floor_().clamp_(max=s)
         return {
             "norms": norms,
-            "levels": _bits.pack_bits(levels, self.width),
-            "signs": _bits.pack_bits(flat < 0, 1),
+            "levels": _bits.pack_bits(_bits.to_uint8(levels), self.width),
+            "signs": _bits.pack_negative(flat),
         }
 
     def _decode(self, msg: Message, device):
         n, bucket, s = msg.numel, int(self.params["bucket"]), int(self.params["levels"])
         levels = _bits.unpack_bits(msg.arrays["levels"].to(device), n, self.width).float()
-        signs = _bits.unpack_bits(msg.arrays["signs"].to(device), n, 1).float()
-        scale = (msg.arrays["norms"].to(device) / s).repeat_interleave(bucket)[:n]
-        return levels.mul_(scale).mul_(1.0 - 2.0 * signs)
+        levels.mul_(_bits.unpack_signs(msg.arrays["signs"].to(device), n))
+        return self._per_bucket(levels, bucket, msg.arrays["norms"].to(device) / s)
 
     def _expected(self, msg):
         n = msg.numel

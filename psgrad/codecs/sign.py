@@ -32,6 +32,18 @@ class SignCodec(Codec):
         signs = _bits.unpack_signs(msg.arrays["signs"].to(out.device), msg.numel)
         out.view(-1).addcmul_(signs, msg.arrays["scale"].to(out.device), value=alpha)
 
+    def encode_residual(self, x: torch.Tensor, seed: int = 0) -> Message:
+        """Fused: pack the sign bits, decode them once into s (+-1, exactly what the receiver
+        will see), scale = <x, s> / n = mean |x| (one dot product, no |x| temporary), x -= scale s."""
+        if x.dtype != torch.float32 or x.numel() == 0:
+            return super().encode_residual(x, seed)
+        flat = x.view(-1)
+        packed = _bits.pack_negative(flat)
+        signs = _bits.unpack_signs(packed, flat.numel())
+        scale = (torch.dot(flat, signs) / flat.numel()).reshape(1)
+        flat.addcmul_(signs, scale, value=-1.0)
+        return Message(self.name, dict(self.params), tuple(x.shape), "float32", {"scale": scale, "signs": packed})
+
     def _expected(self, msg):
         return {"scale": (torch.float32, (1,)), "signs": (torch.uint8, (_bits.packed_nbytes(msg.numel, 1),))}
 
