@@ -8,6 +8,7 @@ malformed input raises ``WireError``; memory use is bounded by ``max_bytes``. Ne
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -16,7 +17,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .codecs import Message, make_codec
+from .codecs import Codec, Message, make_codec
 from .codecs.base import GRAD_DTYPES
 
 FORMAT_VERSION = 1
@@ -39,6 +40,12 @@ _ARRAY_KEYS = {"d", "s", "z", "b"}
 
 # Ranks already share two cores; blosc's own thread pool would fight them.
 blosc.set_nthreads(1)
+
+
+@functools.lru_cache(maxsize=256)
+def _codec(name: str, params: tuple[tuple[str, Any], ...]) -> Codec:
+    """Codecs are immutable once built: one instance per (name, params) serves every message."""
+    return make_codec(name, **dict(params))
 
 
 class WireError(ValueError):
@@ -67,7 +74,7 @@ def dumps(msg: Message, compress: str = "auto") -> bytes:
         raise ValueError(f"message kind must be one of {KINDS}, got {msg.kind!r}")
     zippable: frozenset[str] | None = None
     if compress == "auto" and msg.arrays:
-        zippable = make_codec(msg.codec, **msg.params).compressible
+        zippable = _codec(msg.codec, tuple(sorted(msg.params.items()))).compressible
     header = {
         "v": FORMAT_VERSION,
         "kind": msg.kind,
@@ -203,7 +210,7 @@ def loads(buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTE
     )
     if msg.kind != "control" or msg.arrays:
         try:
-            make_codec(msg.codec, **msg.params).check(msg)
+            _codec(msg.codec, tuple(sorted(msg.params.items()))).check(msg)
         except ValueError as err:
             raise WireError(f"{msg.kind} message for layer {msg.layer!r}: {err}") from None
     return msg
