@@ -395,7 +395,7 @@ def _run_peer(
         if rank == 0
         else None
     )
-    last = time.perf_counter()
+    first = last = time.perf_counter()
     for step in range(start, total):
         feedback.set_epoch(step // max(1, spe))
         images, labels = loader.batch(step)
@@ -424,6 +424,7 @@ def _run_peer(
                 "bytes_up": int(sums[1]),
                 "bytes_down": int(sums[2]),
                 "it_per_s": 1 / max(1e-9, now - last),
+                "wall": now - first,
                 "pull_wait": 0.0,
                 "lr": learning_rate(cfg, step, spe, n),
             }

@@ -53,11 +53,13 @@ def test_bench_inside_one_mpi_job(tmp_path):
 
 def test_bench_launcher_with_baselines(tmp_path):
     out = tmp_path / "bench.json"
-    args = [*SMALL, "--steps", "4", "--warmup", "2", "--codecs", "none;qsgd:levels=4"]
+    a2a = "sign --feedback ef --topology alltoall"  # a row without a server: 2 ranks
+    args = [*SMALL, "--steps", "4", "--warmup", "2", "--codecs", f"none;qsgd:levels=4;{a2a}"]
     proc = _launcher([*args, "--baselines", "compute,ddp,ddp-powersgd", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["codec"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == ["none", "qsgd:levels=4", "compute", "ddp", "ddp-powersgd"]
+    assert list(rows) == ["none", "qsgd:levels=4", a2a, "compute", "ddp", "ddp-powersgd"]
+    assert rows[a2a]["it_per_s"] > 0 and rows[a2a]["compression"] > 10 and "on 2 rank(s)" in proc.stderr
     for name in rows:
         assert name in proc.stdout
     numel = sum(p.numel() for p in build_model("mlp", 10).parameters())
