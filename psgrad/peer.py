@@ -60,7 +60,7 @@ class PeerWorker:
         def hook(param: torch.Tensor) -> None:
             layer = self.layer_of[name]
             if self.gate.arrived(layer):
-                self._encode(layer, param.grad if len(layer.params) == 1 else layer_grad(self.params, layer))
+                self._encode(layer, layer_grad(self.params, layer))
                 self._pump()
 
         return hook

@@ -301,7 +301,13 @@ class ParameterServer:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for key, tensor in state.items():
             if key.startswith("value/"):
-                self.values[int(key.removeprefix("value/"))].copy_(tensor)
+                index = int(key.removeprefix("value/"))
+                if index not in self.values or self.values[index].numel() != tensor.numel():
+                    raise ValueError(
+                        f"checkpoint layer {index} does not fit this run's layer plan (written with another "
+                        "model, --granularity or --bucket-vectors, or by a psgrad before the vector bucket?)"
+                    )
+                self.values[index].copy_(tensor)
             elif key.startswith("shadow/") and self.shadow:
                 index, worker = key.removeprefix("shadow/").split("/")
                 self.shadow[(int(index), int(worker))].copy_(tensor)

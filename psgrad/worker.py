@@ -238,7 +238,7 @@ class Worker:
         def hook(param: torch.Tensor) -> None:
             layer = self.layer_of[name]
             if self.gate.arrived(layer):
-                self.push(layer, param.grad if len(layer.params) == 1 else layer_grad(self.params, layer))
+                self.push(layer, layer_grad(self.params, layer))
 
         return hook
 

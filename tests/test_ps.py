@@ -176,3 +176,23 @@ def test_plan_buckets_vectors_first_and_uncompressed():
     plain = plan_layers(named, "layer", 2, bucket_vectors=False)
     assert [layer.name for layer in plain] == [n for n, _ in named] and all(layer.compress for layer in plain)
     assert plan_layers([("w", (3, 3))], "layer", 1, bucket_vectors=True)[0].name == "w"  # no vectors, no bucket
+
+
+def test_checkpoint_from_another_layer_plan_is_refused_clearly():
+    from types import SimpleNamespace
+
+    from psgrad.config import RunConfig
+    from psgrad.server import ParameterServer
+
+    named = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
+    bucketed = plan_layers(named, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
+    plain = plan_layers(named, "layer", 1, bucket_vectors=False)  # layer 0 = the 12 weights
+
+    def server(layers):
+        values = {layer.index: torch.zeros(layer.numel) for layer in layers}
+        return ParameterServer(SimpleNamespace(rank=0), Roles(3, 1), layers, RunConfig(), values, 10)
+
+    state = server(bucketed).state_dict()
+    server(bucketed).load_state_dict(state)  # the same plan loads
+    with pytest.raises(ValueError, match="does not fit this run's layer plan"):
+        server(plain).load_state_dict(state)

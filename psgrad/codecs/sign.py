@@ -35,7 +35,7 @@ class SignCodec(Codec):
     def encode_residual(self, x: torch.Tensor, seed: int = 0) -> Message:
         """Fused: pack the sign bits, decode them once into s (+-1, exactly what the receiver
         will see), scale = <x, s> / n = mean |x| (one dot product, no |x| temporary), x -= scale s."""
-        if x.dtype != torch.float32 or x.numel() == 0:
+        if x.dtype != torch.float32 or x.numel() == 0 or not x.is_contiguous():
             return super().encode_residual(x, seed)
         flat = x.view(-1)
         packed = _bits.pack_negative(flat)
