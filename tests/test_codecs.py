@@ -168,6 +168,20 @@ def test_terngrad_outputs_three_values():
     assert set(out.unique().tolist()) <= {0.0, grad.abs().max().item(), -grad.abs().max().item()}
 
 
+def test_terngrad_codes_are_the_protocols_two_bit_codes():
+    """docs/protocol.md: codes 0 (zero), 1 (+s), 2 (-s), packed as 2 bit planes."""
+    from psgrad.codecs import _bits
+
+    grad = torch.randn(1001)
+    msg = make_codec("terngrad").encode(grad, seed=5)
+    codes = _bits.unpack_bits(msg.arrays["codes"], grad.numel(), 2)
+    out = make_codec("terngrad").decode(msg)
+    scale = grad.abs().max()
+    assert set(codes.unique().tolist()) == {0, 1, 2}
+    assert torch.equal(out, torch.tensor([0.0, scale, -scale])[codes.long()])
+    assert torch.equal(out[codes > 0] < 0, grad[codes > 0] < 0)
+
+
 def test_seed_makes_random_codecs_reproducible():
     grad = torch.randn(25, 20)
     for spec in ["qsgd", "terngrad", "randomk:ratio=0.1", "svd:sample=1"]:

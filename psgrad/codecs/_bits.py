@@ -36,29 +36,50 @@ def _unpack_plane(packed: torch.Tensor, count: int) -> torch.Tensor:
     return bits.view(-1)[:count]
 
 
-# row b = the 8 signs (+1 / -1) that packed byte b stands for, most significant bit first
-_SIGN_TABLE = 1.0 - 2.0 * torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)).float()
+# row b = the 8 bits (0.0 / 1.0) that packed byte b stands for, most significant first
+_BIT_TABLE = torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)).float()
+# row b = the 8 signs (+1.0 / -1.0): a set bit means negative
+_SIGN_TABLE = 1.0 - 2.0 * _BIT_TABLE
+
+
+def host_array(t: torch.Tensor):
+    """``t`` as a numpy array sharing its memory on the CPU (where numpy's comparisons run ~8x
+    faster than torch's), ``t`` itself elsewhere; both answer ``abs``, ``<``, ``&``, ``~``, ``max``."""
+    return t.numpy() if t.device.type == "cpu" else t
 
 
 def pack_negative(flat: torch.Tensor) -> torch.Tensor:
     """One bit per element of ``flat``, set where the element is < 0, packed 8 to a byte."""
-    if flat.device.type == "cpu":
-        return torch.from_numpy(np.packbits(flat.numpy() < 0))
-    return _pack_plane((flat < 0).to(torch.uint8))
+    return pack_planes([host_array(flat) < 0])
+
+
+def pack_planes(planes: list) -> torch.Tensor:
+    """Boolean planes of equal length (numpy arrays or tensors, see :func:`host_array`), each
+    packed 8 to a byte, most significant bit first, one after the other."""
+    if all(isinstance(plane, np.ndarray) for plane in planes):
+        return torch.from_numpy(np.concatenate([np.packbits(plane) for plane in planes]))
+    return torch.cat([_pack_plane(plane.to(torch.uint8)) for plane in planes])
+
+
+def _unpack_by_table(table: torch.Tensor, packed: torch.Tensor, count: int) -> torch.Tensor:
+    """One table lookup per packed byte gives its 8 values at once (no per-bit arithmetic)."""
+    if packed.numel() != packed_nbytes(count, 1):
+        raise ValueError(f"expected {packed_nbytes(count, 1)} packed bytes for {count} bits, got {packed.numel()}")
+    if packed.device.type == "cpu":
+        values = torch.from_numpy(np.take(table.numpy(), packed.numpy(), axis=0))
+    else:
+        values = table.to(packed.device)[packed.long()]
+    return values.view(-1)[:count]
 
 
 def unpack_signs(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_negative` as float32 signs: -1.0 where the bit is set, else +1.0.
+    """Inverse of :func:`pack_negative` as float32 signs: -1.0 where the bit is set, else +1.0."""
+    return _unpack_by_table(_SIGN_TABLE, packed, count)
 
-    One table lookup per packed byte gives its 8 signs at once (no per-bit arithmetic).
-    """
-    if packed.numel() != packed_nbytes(count, 1):
-        raise ValueError(f"expected {packed_nbytes(count, 1)} packed bytes for {count} signs, got {packed.numel()}")
-    if packed.device.type == "cpu":
-        signs = torch.from_numpy(np.take(_SIGN_TABLE.numpy(), packed.numpy(), axis=0))
-    else:
-        signs = _SIGN_TABLE.to(packed.device)[packed.long()]
-    return signs.view(-1)[:count]
+
+def unpack_ones(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """One packed plane as float32: 1.0 where the bit is set, else 0.0."""
+    return _unpack_by_table(_BIT_TABLE, packed, count)
 
 
 def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:

@@ -34,17 +34,19 @@ class TernGradCodec(Codec):
         if self.params["clip"] and flat.numel() > 1:
             bound = _SIGMAS * float(flat.std())
             flat = flat.clamp(-bound, bound)
-        scale = flat.abs().max() if flat.numel() else flat.new_zeros(())
-        rand = torch.rand(flat.numel(), generator=_bits.generator(seed, flat.device), device=flat.device)
-        keep = (rand * scale < flat.abs()).to(torch.uint8)
-        codes = keep + keep * (flat < 0).to(torch.uint8)
-        return {"scale": scale.reshape(1).float(), "codes": _bits.pack_bits(codes, 2)}
+        scale = float(flat.abs().max()) if flat.numel() else 0.0
+        x = _bits.host_array(flat)
+        keep = _bits.host_array(_bits.uniform(flat.numel(), seed, flat.device)) * scale < abs(x)
+        negative = x < 0
+        # bit plane 0 holds code 1 (+s), plane 1 code 2 (-s): pack_bits' layout of the 2-bit codes
+        codes = _bits.pack_planes([keep & ~negative, keep & negative])
+        return {"scale": torch.tensor([scale], dtype=torch.float32), "codes": codes}
 
     def _decode(self, msg: Message, device):
-        scale = float(msg.arrays["scale"][0])
-        table = torch.tensor([0.0, scale, -scale, 0.0], device=device)
-        codes = _bits.unpack_bits(msg.arrays["codes"].to(device), msg.numel, 2)
-        return table[codes.long()]
+        codes, plane = msg.arrays["codes"].to(device), _bits.packed_nbytes(msg.numel, 1)
+        values = _bits.unpack_ones(codes[:plane], msg.numel)
+        values.sub_(_bits.unpack_ones(codes[plane:], msg.numel))  # code 3 (both bits) decodes to 0
+        return values.mul_(msg.arrays["scale"].to(device))
 
     def _expected(self, msg):
         return {"scale": (torch.float32, (1,)), "codes": (torch.uint8, (_bits.packed_nbytes(msg.numel, 2),))}
