@@ -15,7 +15,9 @@ The figures, either way:
    between the first and last measured step.
 2. With ``repeat`` R the items run in R interleaved rounds (none, a, b, none, a, b, ...) so drift
    of a shared machine hits all of them alike; the median and half the spread are reported.
-3. Speed-up and compression ratio are against the ``none`` codec of the same invocation.
+3. Speed-up and compression ratio are against the ``none`` codec of the same invocation. Speed-up
+   and "of ideal" are paired: the median over rounds of the ratio to the same round's ``none``
+   (or compute-only) run, so a machine that is slower in one round slows both sides of the ratio.
 4. Server CPU is the CPU seconds the server-0 process used per second of wall time (1.0 = one core).
 5. With the compute-only baseline, ideal it/s = 1 / max(compute step time, link bytes / bandwidth),
    where the link is the busiest one: the server's (the larger of all workers' up or all down
@@ -36,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .baselines import BASELINES
@@ -74,6 +76,7 @@ class BenchRow:
     pull_wait: float = 0.0
     decode: float = 0.0
     apply: float = 0.0
+    it_per_s_runs: list[float] = field(default_factory=list)
 
 
 def launched_by_mpi() -> bool:
@@ -276,6 +279,11 @@ def summarize(
         ms = results[item]
         return {k: statistics.median(m[k] for m in ms) for k in ms[0]}
 
+    def paired(item: str, reference: str, scale=lambda ref_it_per_s: ref_it_per_s) -> float:
+        """Median over rounds of item's it/s / scale(reference's it/s in the same round)."""
+        pairs = zip(results[item], results[reference])
+        return statistics.median(m["it_per_s"] / scale(r["it_per_s"]) for m, r in pairs)
+
     base = median("none") if results.get("none") else None
     compute = median("compute") if results.get("compute") else None
     t_compute = 1.0 / compute["it_per_s"] if compute else None
@@ -286,7 +294,7 @@ def summarize(
         med = median(item)
         its = [m["it_per_s"] for m in ms]
         per_step = med["bytes_up"] + med["bytes_down"]
-        ideal = NAN
+        ideal = of_ideal = NAN
         if t_compute is not None:
             if item.split()[0] in BASELINES:
                 link = med["bytes_up"] / workers
@@ -294,6 +302,7 @@ def summarize(
                 link = max(med["bytes_up"], med["bytes_down"]) / servers
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
             ideal = 1.0 / max(t_compute, t_net)
+            of_ideal = paired(item, "compute", lambda compute_it_per_s: 1.0 / max(1.0 / compute_it_per_s, t_net))
         head = item.split()[0] if item.split() else item
         is_ddp = head in BASELINES
         rows.append(
@@ -301,7 +310,7 @@ def summarize(
                 item,
                 med["it_per_s"],
                 (max(its) - min(its)) / 2,
-                med["it_per_s"] / base["it_per_s"] if base else NAN,
+                paired(item, "none") if base else NAN,
                 per_step,
                 med["bytes_up"],
                 med["bytes_down"],
@@ -311,8 +320,9 @@ def summarize(
                 med.get("server_cpu", NAN),
                 med.get("loss", NAN),
                 ideal,
-                med["it_per_s"] / ideal if ideal == ideal else NAN,
+                of_ideal,
                 **{k: med[k] for k in BREAKDOWN},
+                it_per_s_runs=its,
             )
         )
     return rows

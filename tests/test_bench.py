@@ -111,8 +111,8 @@ def _m(it_per_s, up, down=0.0):
 def test_summarize_ideal_and_ratios():
     results = {
         "none": [_m(1.0, 8e6, 8e6), _m(3.0, 8e6, 8e6)],
-        "topk": [_m(4.0, 1e5, 8e6)],
-        "compute": [_m(10.0, 0)],
+        "topk": [_m(2.0, 1e5, 8e6), _m(6.0, 1e5, 8e6)],
+        "compute": [_m(10.0, 0), _m(10.0, 0)],
         "ddp": [_m(2.0, 8e6)],
     }
     rows = {r.codec: r for r in summarize(results, servers=1, workers=2, bandwidth_bits=100_000_000)}
@@ -125,3 +125,13 @@ def test_summarize_ideal_and_ratios():
     # DDP: each worker's link carries its half of the 8 MB
     assert rows["ddp"].ideal_it_per_s == pytest.approx(1 / 0.32)
     assert rows["compute"].ideal_it_per_s == 10.0
+    assert rows["topk"].it_per_s_runs == [2.0, 6.0]
+
+
+def test_summarize_pairs_rounds_so_drift_cancels():
+    # round 2 ran on a slower machine for both: per round topk is 3x, 1x, 3x none
+    results = {"none": [_m(1.0, 8e6), _m(3.0, 8e6), _m(2.0, 8e6)], "topk": [_m(3.0, 1e5), _m(3.0, 1e5), _m(6.0, 1e5)]}
+    results["compute"] = [_m(4.0, 0), _m(12.0, 0), _m(8.0, 0)]
+    rows = {r.codec: r for r in summarize(results)}
+    assert rows["topk"].speedup == 3.0  # the ratio of the medians would say 3 / 2 = 1.5
+    assert rows["topk"].of_ideal == 0.75  # per round 0.75, 0.25, 0.75; the medians: 3 / 8
