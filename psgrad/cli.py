@@ -345,7 +345,10 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 )
 @click.option("--warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures.")
 @click.option(
-    "--repeat", type=click.IntRange(min=1), default=1, help="Rounds of all codecs, interleaved; the median is reported."
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Rounds of all codecs, interleaved; the median is reported, speed-ups are per-round ratios (median).",
 )
 @click.option(
     "--workers",
