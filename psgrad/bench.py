@@ -279,10 +279,11 @@ def summarize(
         ms = results[item]
         return {k: statistics.median(m[k] for m in ms) for k in ms[0]}
 
-    def paired(item: str, reference: str, scale=lambda ref_it_per_s: ref_it_per_s) -> float:
-        """Median over rounds of item's it/s / scale(reference's it/s in the same round)."""
-        pairs = zip(results[item], results[reference])
-        return statistics.median(m["it_per_s"] / scale(r["it_per_s"]) for m, r in pairs)
+    def paired(item: str, reference: str, t_net: float = 0.0) -> float:
+        """Median over rounds of item's it/s over 1 / max(reference's step time, t_net) in the same
+        round (with t_net = 0: simply over the reference's it/s)."""
+        pairs = zip(results[item], results[reference], strict=False)
+        return statistics.median(m["it_per_s"] * max(1.0 / r["it_per_s"], t_net) for m, r in pairs)
 
     base = median("none") if results.get("none") else None
     compute = median("compute") if results.get("compute") else None
@@ -302,7 +303,7 @@ def summarize(
                 link = max(med["bytes_up"], med["bytes_down"]) / servers
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
             ideal = 1.0 / max(t_compute, t_net)
-            of_ideal = paired(item, "compute", lambda compute_it_per_s: 1.0 / max(1.0 / compute_it_per_s, t_net))
+            of_ideal = paired(item, "compute", t_net)
         head = item.split()[0] if item.split() else item
         is_ddp = head in BASELINES
         rows.append(
