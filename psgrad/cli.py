@@ -147,6 +147,14 @@ RUN_OPTIONS = [
         "One message per parameter tensor, or the whole model as one.",
     ),
     (
+        "--push",
+        "push",
+        click.Choice(["backward", "after"]),
+        "layer granularity: send each layer from backward as soon as its gradient is ready, or code all "
+        "layers after backward and send them first layer first (the next forward starts on the first "
+        "replies while the rest are in flight).",
+    ),
+    (
         "--bucket-vectors/--no-bucket-vectors",
         "bucket_vectors",
         None,

@@ -33,6 +33,7 @@ class RunConfig:
     dgc_clip_norm: float | None = None
     dgc_warmup_epochs: int = 0
     granularity: str = "layer"
+    push: str = "backward"
     bucket_vectors: bool = True
     # optimisation
     optimizer: str = "sgd"
@@ -87,6 +88,7 @@ class RunConfig:
             "steps (error feedback), which grows without bound for a codec that rescales the values it keeps",
         )
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
+        need(self.push in ("backward", "after"), f"--push must be backward or after, got {self.push!r}")
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(
             self.schedule in ("constant", "multistep", "cosine"),

@@ -159,7 +159,7 @@ class Worker:
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
-        if cfg.granularity == "layer":
+        if cfg.granularity == "layer" and cfg.push == "backward":
             for name, param in self.params.items():
                 if param.requires_grad:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -275,8 +275,12 @@ class Worker:
         self.push_missing()
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: waiting for sends"
-        self.transport.wait_all(self.sends)
-        self.sends = []
+        if self.cfg.push == "after":
+            # the sends drain while the next forward waits for its first layers
+            self.sends = self.transport.progress(self.sends)
+        else:
+            self.transport.wait_all(self.sends)
+            self.sends = []
         end = time.perf_counter()
         s = self.stats
         s.loss = float(loss.detach())
