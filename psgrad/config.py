@@ -89,6 +89,10 @@ class RunConfig:
         )
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.push in ("backward", "after"), f"--push must be backward or after, got {self.push!r}")
+        need(
+            self.push == "backward" or self.topology == "ps",
+            "--push after needs the parameter server (--topology ps): alltoall exchanges every layer before any update",
+        )
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(
             self.schedule in ("constant", "multistep", "cosine"),

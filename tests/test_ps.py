@@ -21,12 +21,24 @@ def _ok(proc, marker):
         [],
         ["--nesterov"],
         ["--model-granularity"],
+        ["--push-after"],
+        ["--push-after", "--delta-down"],
         ["--delta-down"],
         ["--alltoall"],
         ["--sign-one-step"],
         ["--sign-one-step", "--no-bucket-vectors"],
     ],
-    ids=["sgd", "nesterov", "model-granularity", "delta-down", "alltoall", "vectors-exact", "vectors-coded"],
+    ids=[
+        "sgd",
+        "nesterov",
+        "model-granularity",
+        "push-after",
+        "push-after-delta",
+        "delta-down",
+        "alltoall",
+        "vectors-exact",
+        "vectors-coded",
+    ],
 )
 def test_none_codec_through_server_equals_averaged_sgd(flags):
     _ok(run_script("reference.py", *flags), "REFERENCE OK")

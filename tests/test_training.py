@@ -156,6 +156,9 @@ def test_bad_settings_are_named():
         RunConfig(codec="zip").validate()
     with pytest.raises(ValueError, match="--lr must be > 0"):
         RunConfig(lr=0).validate()
+    with pytest.raises(ValueError, match="--push after needs the parameter server"):
+        RunConfig(push="after", topology="alltoall").validate()
+    RunConfig(push="after").validate()
 
 
 def test_resume_equals_uninterrupted(tmp_path):

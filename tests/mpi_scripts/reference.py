@@ -32,6 +32,7 @@ kw = dict(
 )
 nesterov = "--nesterov" in sys.argv
 granularity = "model" if "--model-granularity" in sys.argv else "layer"
+push = "after" if "--push-after" in sys.argv else "backward"
 # a down-codec that keeps everything: the workers follow the server through deltas, not values
 down = "topk:ratio=1.0" if "--delta-down" in sys.argv else "none"
 codec = "none"
@@ -41,6 +42,7 @@ cfg = RunConfig(
     **kw,
     nesterov=nesterov,
     granularity=granularity,
+    push=push,
     codec=codec,
     down_codec=down,
     bucket_vectors=bucket,
