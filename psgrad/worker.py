@@ -7,6 +7,10 @@ Per step (docs/architecture.md has the picture):
 3. backward — a post-accumulate-grad hook per parameter runs feedback -> codec -> wire and
    ``isend``s the bytes to the layer's server while autograd carries on with earlier layers;
 4. wait for the sends, report the step's timings and bytes to server 0.
+
+With ``--push after`` step 3 has no hooks: after backward every layer is coded and sent in
+forward order (first layer first), and step 4 does not wait — the sends drain while the next
+forward's pre-hooks wait for the first replies.
 """
 
 from __future__ import annotations
@@ -253,7 +257,8 @@ class Worker:
         self.stats.encode += time.perf_counter() - start
 
     def push_missing(self) -> None:
-        """Layers whose hook did not fire (model granularity, unused parameters) are sent now."""
+        """Layers whose hook did not fire (model granularity, ``--push after``, unused parameters) are
+        sent now, in forward order: the server can return the first layers first."""
         for layer in self.layers:
             if layer.index not in self.sent:
                 self.push(layer, layer_grad(self.params, layer))
