@@ -7,10 +7,9 @@ import json
 import click
 import torch
 
-from . import codecbench
+from .bench import codecbench
 from .codecs import available_codecs, make_codec
-from .config import RunConfig
-from .models import MODELS
+from .options import config_from, run_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -29,20 +28,6 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
         except ValueError as err:
             raise click.BadParameter(str(err)) from None
     return specs
-
-
-def option_overrides(args: list[str]) -> dict:
-    """The RunConfig fields that train options ``args`` set (only those given), validated by click."""
-    from click.core import ParameterSource
-
-    try:
-        ctx = train.make_context("psgrad bench item", list(args))
-    except click.ClickException as err:
-        raise ValueError(f"{' '.join(args)!r}: {err.format_message()}") from None
-    given = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-    if "synthetic_classes" in given:
-        given["synthetic_classes"] = int(given["synthetic_classes"])
-    return given
 
 
 @main.command()
@@ -71,196 +56,22 @@ def codecs(size: int, repeat: int, specs: tuple[str, ...], threads: int, as_json
     click.echo(f"available codecs: {', '.join(available_codecs())}")
 
 
-_DEFAULTS = RunConfig()
-
-
-def _milestones(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated epochs like 60,120,160, got {value!r}") from None
-
-
-# (flag, RunConfig field, click type, help). One table serves train, server and worker.
-RUN_OPTIONS = [
-    ("--model", "model", click.Choice(sorted(MODELS)), "Model architecture."),
-    ("--depth", "depth", click.IntRange(min=10), "WideResNet depth (6n+4: 10, 16, 22, 28, 40)."),
-    ("--widen-factor", "widen_factor", click.IntRange(min=1), "WideResNet width multiplier k."),
-    ("--dropout", "dropout", click.FloatRange(0, 1, max_open=True), "WideResNet dropout between convolutions."),
-    (
-        "--dataset",
-        "dataset",
-        click.Choice(["synthetic", "cifar10", "cifar100"]),
-        "Training data; synthetic is generated from --seed.",
-    ),
-    (
-        "--data-dir",
-        "data_dir",
-        click.Path(file_okay=False),
-        "Directory with the CIFAR python archives (extracted or .tar.gz).",
-    ),
-    ("--synthetic-classes", "synthetic_classes", click.Choice(["10", "100"]), "Classes of the synthetic dataset."),
-    ("--synthetic-size", "synthetic_size", click.IntRange(min=1), "Training samples of the synthetic dataset."),
-    (
-        "--partition",
-        "partition",
-        click.Choice(["random", "contiguous"]),
-        "How the training set is split over workers (reshuffled each epoch).",
-    ),
-    ("--augment/--no-augment", "augment", None, "Random crop (4-pixel padding) and horizontal flip."),
-    ("--codec", "codec", str, "Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (see psgrad codecs)."),
-    (
-        "--down-codec",
-        "down_codec",
-        str,
-        "Server-to-worker codec: none sends each layer's new value; any other codec sends the encoded change "
-        "since what the workers hold, the server keeping the rest for later steps (error feedback).",
-    ),
-    (
-        "--feedback",
-        "feedback",
-        click.Choice(["none", "ef", "dgc"]),
-        "Worker-side memory around the codec: error feedback or DGC.",
-    ),
-    (
-        "--dgc-momentum",
-        "dgc_momentum",
-        click.FloatRange(0, 1, max_open=True),
-        "DGC: momentum kept on the workers (use --momentum 0).",
-    ),
-    (
-        "--dgc-clip-norm",
-        "dgc_clip_norm",
-        click.FloatRange(min=0, min_open=True),
-        "DGC: local gradient clipping norm (default: off).",
-    ),
-    (
-        "--dgc-warmup-epochs",
-        "dgc_warmup_epochs",
-        click.IntRange(min=0),
-        "DGC: epochs of exponential sparsity warm-up (needs a codec with ratio).",
-    ),
-    (
-        "--granularity",
-        "granularity",
-        click.Choice(["layer", "model"]),
-        "One message per parameter tensor, or the whole model as one.",
-    ),
-    (
-        "--push",
-        "push",
-        click.Choice(["backward", "after"]),
-        "layer granularity: send each layer from backward as soon as its gradient is ready, or code all "
-        "layers after backward and send them first layer first (the next forward starts on the first "
-        "replies while the rest are in flight).",
-    ),
-    (
-        "--bucket-vectors/--no-bucket-vectors",
-        "bucket_vectors",
-        None,
-        "layer granularity: send all 1-D parameters (biases, norm scales and shifts) as one uncompressed "
-        "message per step, or each as its own compressed layer.",
-    ),
-    ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
-    ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
-    ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),
-    ("--nesterov/--no-nesterov", "nesterov", None, "Nesterov momentum."),
-    ("--weight-decay", "weight_decay", click.FloatRange(min=0), "L2 weight decay."),
-    ("--schedule", "schedule", click.Choice(["constant", "multistep", "cosine"]), "Learning-rate schedule."),
-    ("--lr-milestones", "lr_milestones", None, "multistep: epochs at which the LR is multiplied by --lr-decay."),
-    (
-        "--lr-decay",
-        "lr_decay",
-        click.FloatRange(min=0, min_open=True),
-        "multistep: factor per milestone (WRN paper: 0.2).",
-    ),
-    ("--warmup-epochs", "warmup_epochs", click.FloatRange(min=0), "Linear LR warm-up length in epochs."),
-    ("--scale-lr/--no-scale-lr", "scale_lr", None, "Multiply the LR by the number of workers."),
-    ("--batch-size", "batch_size", click.IntRange(min=1), "Batch size per worker."),
-    ("--steps", "steps", click.IntRange(min=1), "Training steps (overrides --epochs)."),
-    ("--epochs", "epochs", click.FloatRange(min=0, min_open=True), "Training epochs (of each worker's shard)."),
-    ("--servers", "servers", click.IntRange(min=1), "Server ranks (0..S-1); layers are sharded over them by size."),
-    (
-        "--mode",
-        "mode",
-        click.Choice(["sync", "async"]),
-        "sync: average all workers per step; async: apply each worker's gradient on arrival.",
-    ),
-    ("--staleness", "staleness", click.IntRange(min=0), "async: how many steps a worker may run ahead of the slowest."),
-    (
-        "--topology",
-        "topology",
-        click.Choice(["ps", "alltoall"]),
-        "ps: parameter servers; alltoall: every rank exchanges with every other.",
-    ),
-    (
-        "--device",
-        "device",
-        click.Choice(["auto", "cpu", "cuda"]),
-        "Worker device; cuda uses the GPU of the node-local rank.",
-    ),
-    ("--threads", "threads", click.IntRange(min=1), "torch threads per rank."),
-    ("--seed", "seed", int, "Seed of the model, data order, augmentation and codec randomness."),
-    (
-        "--log-dir",
-        "log_dir",
-        click.Path(file_okay=False),
-        "Write config.json, metrics.csv, eval.csv (and checkpoints) here.",
-    ),
-    (
-        "--eval-every",
-        "eval_every",
-        click.IntRange(min=0),
-        "Evaluate on the test set every N epochs (0: only at the end).",
-    ),
-    ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
-    ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),
-    ("--checkpoint-every", "checkpoint_every", click.IntRange(min=0), "Write a checkpoint every N steps (0: never)."),
-    (
-        "--resume",
-        "resume",
-        click.Path(exists=True, file_okay=False),
-        "Continue from a checkpoint directory (LOG_DIR/ckpt-stepN).",
-    ),
-]
-
-
-def run_options(fn):
-    """Attach every RUN_OPTIONS entry to a click command."""
-    for flag, field_name, kind, text in reversed(RUN_OPTIONS):
-        default = getattr(_DEFAULTS, field_name)
-        kwargs: dict = {"help": text, "default": default}
-        if field_name == "lr_milestones":
-            kwargs.update(default=",".join(map(str, default)), callback=_milestones)
-        elif field_name == "synthetic_classes":
-            kwargs.update(type=kind, default=str(default))
-        elif kind is not None:
-            kwargs["type"] = kind
-        fn = click.option(flag, field_name, **kwargs)(fn)
-    return fn
-
-
-def config_from(options: dict) -> RunConfig:
-    options = dict(options)
-    options["synthetic_classes"] = int(options["synthetic_classes"])
-    try:
-        return RunConfig(**options).validate()
-    except ValueError as err:
-        raise click.UsageError(str(err)) from None
-
-
 def _train(role: str | None, options: dict) -> None:
-    from .roles import Roles
+    from .comm.protocol import RankLayout
+    from .comm.transport import world_rank, world_size
     from .train import run
-    from .transport import world_rank, world_size
 
     cfg = config_from(options)
     try:
-        roles = Roles(world_size(), cfg.servers, cfg.topology)
+        layout = RankLayout(world_size(), cfg.servers, cfg.topology)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     if role is not None:
-        is_server = roles.is_server(world_rank())
+        if layout.kind != "separate":
+            _abort_job(
+                f"'psgrad {role}' is for MPMD launches of --topology ps; with {cfg.topology} run 'psgrad train' on every rank"
+            )
+        is_server = layout.is_server(world_rank())
         if is_server != (role == "server"):
             actual = "server" if is_server else "worker"
             _abort_job(
@@ -271,7 +82,7 @@ def _train(role: str | None, options: dict) -> None:
 
 def _abort_job(message: str) -> None:
     """A usage error on one rank must end every rank, or the others would wait for it forever."""
-    from .transport import Transport
+    from .comm.transport import Transport
 
     click.echo(f"Error: {message}", err=True)
     Transport().abort(2)
@@ -315,7 +126,7 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
 
 
 def _baseline_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
-    from .baselines import BASELINES
+    from .bench.baselines import BASELINES
 
     names = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in BASELINES]
@@ -325,7 +136,7 @@ def _baseline_list(ctx: click.Context, param: click.Parameter, value: str) -> li
 
 
 def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from .netshape import parse_rate
+    from .bench.netshape import parse_rate
 
     if value is not None:
         try:
@@ -420,8 +231,8 @@ def bench(
     """
     import shlex
 
-    from . import bench as bench_module
-    from .netshape import ShapeError, parse_rate
+    from .bench import launcher as bench_module
+    from .bench.netshape import ShapeError, parse_rate
 
     options["steps"] = options["steps"] or 20
     cfg = config_from(options)
@@ -438,7 +249,7 @@ def bench(
     if bench_module.launched_by_mpi():
         if baselines or bandwidth:
             _abort_job("--baselines and --bandwidth start MPI jobs of their own: run 'psgrad bench' without mpiexec")
-        from .transport import Transport
+        from .comm.transport import Transport
 
         results = bench_module.run_in_mpi(cfg, specs, cfg.steps, warmup, repeat)
         if Transport().rank != 0:

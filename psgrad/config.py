@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .codecs import make_codec
+from .comm.protocol import LAYOUTS, TOPOLOGIES
 from .feedback import FEEDBACKS
 
 
@@ -90,8 +91,8 @@ class RunConfig:
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.push in ("backward", "after"), f"--push must be backward or after, got {self.push!r}")
         need(
-            self.push == "backward" or self.topology == "ps",
-            "--push after needs the parameter server (--topology ps): alltoall exchanges every layer before any update",
+            self.push == "backward" or LAYOUTS.get(self.topology) != "peers",
+            f"--push after needs servers (--topology ps or colocated): {self.topology} exchanges every layer before any update",
         )
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(
@@ -99,7 +100,7 @@ class RunConfig:
             f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
         )
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")
-        need(self.topology in ("ps", "alltoall"), f"--topology must be ps or alltoall, got {self.topology!r}")
+        need(self.topology in TOPOLOGIES, f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
         need(
             self.partition in ("random", "contiguous"),
@@ -124,7 +125,10 @@ class RunConfig:
             self.dataset in ("synthetic", "cifar10", "cifar100"),
             f"--dataset must be synthetic, cifar10 or cifar100, got {self.dataset!r}",
         )
-        need(not (self.mode == "async" and self.topology == "alltoall"), "--mode async needs the ps topology")
+        need(
+            not (self.mode == "async" and LAYOUTS.get(self.topology) == "peers"),
+            "--mode async needs servers (--topology ps or colocated)",
+        )
         need(
             not (
                 self.feedback == "dgc"

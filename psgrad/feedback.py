@@ -26,6 +26,10 @@ class NoFeedback:
     def set_epoch(self, epoch: int) -> None:
         """Hook for schedules that change with the epoch (DGC warm-up)."""
 
+    def codec_specs(self) -> set[str]:
+        """Every codec spec this memory may encode with (receivers size their buffers by them)."""
+        return {self.codec.spec}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -101,12 +105,19 @@ class DGCMemory(NoFeedback):
         self.momentums: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
 
-    def set_epoch(self, epoch: int) -> None:
+    def _codec_at(self, epoch: int) -> Codec:
         if self.warmup_epochs <= 0 or "ratio" not in self.base_codec.params:
-            return
+            return self.base_codec
         final = 1.0 - float(self.base_codec.params["ratio"])
         ratio = 1.0 - dgc_sparsity(epoch, self.warmup_epochs, final)
-        self.codec = make_codec(self.base_codec.name, **{**self.base_codec.params, "ratio": ratio})
+        return make_codec(self.base_codec.name, **{**self.base_codec.params, "ratio": ratio})
+
+    def set_epoch(self, epoch: int) -> None:
+        self.codec = self._codec_at(epoch)
+
+    def codec_specs(self) -> set[str]:
+        """The warm-up's first (densest) codec and the final one."""
+        return {self._codec_at(0).spec, self.base_codec.spec}
 
     def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
         g = grad.detach().float()

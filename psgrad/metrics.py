@@ -7,13 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+from .comm.protocol import TIME_KEYS
+
 METRIC_COLUMNS = [
-    "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr",
-    "forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time",
+    "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr", *TIME_KEYS, "step_time",
     "server_decode", "server_apply", "server_idle", "server_cpu", "wall",
 ]  # fmt: skip
 EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset"]
-TIME_KEYS = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply", "step_time")
 
 
 class StepAggregator:
@@ -39,7 +39,7 @@ class StepAggregator:
         row = {"step": step, "loss": sum(p["loss"] for p in parts) / len(parts)}
         row["bytes_up"] = int(sum(p["bytes_up"] for p in parts))
         row["bytes_down"] = int(sum(p["bytes_down"] for p in parts))
-        for key in TIME_KEYS:
+        for key in (*TIME_KEYS, "step_time"):
             row[key] = sum(p[key] for p in parts) / len(parts)
         row["it_per_s"] = 1.0 / max(1e-9, now - self.last)
         row["wall"] = now - self.start

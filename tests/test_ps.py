@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_mpi, run_script
 
-from psgrad.roles import Roles, plan_layers, shard_layers
+from psgrad.comm.protocol import RankLayout, plan_layers, shard_layers
 
 
 def _ok(proc, marker):
@@ -25,6 +25,9 @@ def _ok(proc, marker):
         ["--push-after", "--delta-down"],
         ["--delta-down"],
         ["--alltoall"],
+        ["--colocated"],
+        ["--colocated", "--push-after", "--delta-down"],
+        ["--colocated", "--model-granularity"],
         ["--sign-one-step"],
         ["--sign-one-step", "--no-bucket-vectors"],
     ],
@@ -36,6 +39,9 @@ def _ok(proc, marker):
         "push-after-delta",
         "delta-down",
         "alltoall",
+        "colocated",
+        "colocated-push-after-delta",
+        "colocated-model-granularity",
         "vectors-exact",
         "vectors-coded",
     ],
@@ -68,7 +74,7 @@ def test_every_codec_trains_with_and_without_error_feedback():
     _ok(proc, "CONVERGE OK")
 
 
-def test_async_and_alltoall_converge():
+def test_async_alltoall_and_colocated_converge():
     configs = [
         {"mode": "async", "staleness": 0},
         {"mode": "async", "staleness": 2, "codec": "qsgd"},
@@ -77,6 +83,10 @@ def test_async_and_alltoall_converge():
         {"topology": "alltoall", "codec": "topk:ratio=0.05", "feedback": "ef"},
         {"servers": 2, "codec": "qsgd"},
         {"granularity": "model", "codec": "topk:ratio=0.05", "feedback": "ef"},
+        {"topology": "colocated", "codec": "sign", "feedback": "ef", "down_codec": "sign", "lr": 0.005},
+        {"topology": "colocated", "mode": "async", "staleness": 1, "codec": "qsgd"},
+        {"topology": "colocated", "codec": "topk:ratio=0.05", "feedback": "dgc", "momentum": 0.0, "push": "after"},
+        {"topology": "colocated", "granularity": "model", "codec": "fp16", "down_codec": "fp16"},
     ]
     _ok(run_script("converge.py", *[json.dumps(c) for c in configs], timeout=300), "CONVERGE OK")
 
@@ -146,19 +156,55 @@ def test_mpmd_server_and_worker_commands():
     assert bad.returncode != 0 and "which is a server rank" in bad.stderr
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_failing_worker_ends_the_job_quickly(how):
+def test_failing_worker_ends_the_job_quickly(how, topology):
     start = time.monotonic()
-    proc = run_script("fault.py", how, timeout=120)
+    proc = run_script("fault.py", how, topology, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
+    rank, role = (2, "worker") if topology == "ps" else (1, "server\\+worker")
     if how == "raise":
-        assert "[psgrad rank 2] ValueError while" in proc.stderr and "injected failure" in proc.stderr
+        assert f"[psgrad rank {rank}] ValueError while" in proc.stderr and "injected failure" in proc.stderr
     else:  # MPI names the killed PID; psgrad's start-up line maps it to the rank
         output = proc.stdout + proc.stderr
-        pid = re.search(r"2=worker:(\d+)", output).group(1)
+        pid = re.search(rf"{rank}={role}:(\d+)", output).group(1)
         assert re.search(rf"PID {pid}\b.*|killed.*{pid}", output, re.S | re.I), output[-3000:]
     assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+
+
+@pytest.mark.parametrize(
+    "codec,extra",
+    [
+        ("none", []),
+        ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),
+        ("sign", ["feedback=ef", "down_codec=sign", "lr=0.005", "push=after"]),
+    ],
+    ids=["none", "qsgd-topk-down", "sign-ef-push-after"],
+)
+def test_colocated_equals_separate_servers(tmp_path, codec, extra):
+    """3 colocated ranks == 2 server ranks + 3 worker ranks, bit for bit: the same seeds (by worker
+    index, and one stream for the servers), and the servers sum in worker order whatever the arrival."""
+    sep = run_script("save_params.py", str(tmp_path / "sep.pt"), codec, "2", *extra, n=5)
+    col = run_script("save_params.py", str(tmp_path / "col.pt"), codec, "1", "topology=colocated", *extra, n=3)
+    _ok(sep, "SAVED")
+    _ok(col, "SAVED")
+    a, b = torch.load(tmp_path / "sep.pt", weights_only=True), torch.load(tmp_path / "col.pt", weights_only=True)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    sep_eval = torch.load(tmp_path / "sep.pt.server", weights_only=True)
+    col_eval = torch.load(tmp_path / "col.pt.server", weights_only=True)
+    assert col_eval["evals"] == sep_eval["evals"] and len(col_eval["evals"]) == 1
+    # the same losses, and the colocated ranks sent fewer bytes: their own shard never crossed the network
+    assert [r["loss"] for r in col_eval["rows"]] == [r["loss"] for r in sep_eval["rows"]]
+    assert sum(r["bytes_up"] for r in col_eval["rows"]) < sum(r["bytes_up"] for r in sep_eval["rows"])
+
+
+def test_every_topology_has_a_role_and_a_layout():
+    from psgrad.comm.protocol import TOPOLOGIES
+    from psgrad.roles import ROLES
+
+    assert set(ROLES) == set(TOPOLOGIES)
 
 
 def test_shard_layers_balances_sizes():
@@ -168,10 +214,13 @@ def test_shard_layers_balances_sizes():
 
 
 def test_roles_and_plan():
-    roles = Roles(4, 2)
+    roles = RankLayout(4, 2)
     assert roles.server_ranks == [0, 1] and roles.worker_ranks == [2, 3]
     with pytest.raises(ValueError, match="start at least 3 ranks"):
-        Roles(2, 2)
+        RankLayout(2, 2)
+    colocated = RankLayout(3, 1, "colocated")
+    assert colocated.server_ranks == colocated.worker_ranks == [0, 1, 2]
+    assert RankLayout(3, 1, "alltoall").server_ranks == []
     layers = plan_layers([("a", (3, 4)), ("b", (4,))], "model", 1)
     assert len(layers) == 1 and layers[0].shape == (16,)
 
@@ -193,16 +242,25 @@ def test_plan_buckets_vectors_first_and_uncompressed():
 def test_checkpoint_from_another_layer_plan_is_refused_clearly():
     from types import SimpleNamespace
 
+    from psgrad.codecs import make_codec
     from psgrad.config import RunConfig
-    from psgrad.server import ParameterServer
+    from psgrad.engine.server import SyncServer
+    from psgrad.feedback import NoFeedback
 
     named = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
     bucketed = plan_layers(named, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
     plain = plan_layers(named, "layer", 1, bucket_vectors=False)  # layer 0 = the 12 weights
+    model = torch.nn.Module()
+    for name, shape in named:
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
 
     def server(layers):
-        values = {layer.index: torch.zeros(layer.numel) for layer in layers}
-        return ParameterServer(SimpleNamespace(rank=0), Roles(3, 1), layers, RunConfig(), values, 10)
+        transport = SimpleNamespace(rank=0)
+        ctx = SimpleNamespace(
+            cfg=RunConfig(), transport=transport, rank=0, layers=layers, model=model, layout=RankLayout(3, 1),
+            start=0, buffers_size=0, steps_per_epoch=10, make_feedback=lambda: NoFeedback(make_codec("none")),
+        )  # fmt: skip
+        return SyncServer(ctx)
 
     state = server(bucketed).state_dict()
     server(bucketed).load_state_dict(state)  # the same plan loads

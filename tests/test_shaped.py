@@ -11,7 +11,7 @@ import time
 import pytest
 from test_bench import SMALL, _launcher
 
-from psgrad import netshape
+from psgrad.bench import netshape
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not sys.platform.startswith("linux") or not (shutil.which("ip") and shutil.which("tc")),

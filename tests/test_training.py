@@ -156,14 +156,15 @@ def test_bad_settings_are_named():
         RunConfig(codec="zip").validate()
     with pytest.raises(ValueError, match="--lr must be > 0"):
         RunConfig(lr=0).validate()
-    with pytest.raises(ValueError, match="--push after needs the parameter server"):
+    with pytest.raises(ValueError, match="--push after needs servers"):
         RunConfig(push="after", topology="alltoall").validate()
     RunConfig(push="after").validate()
 
 
-def test_resume_equals_uninterrupted(tmp_path):
-    proc = run_script("resume.py", str(tmp_path), timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == 2, proc.stdout + proc.stderr[-3000:]
+@pytest.mark.parametrize("topology,oks", [("ps", 2), ("colocated", 3), ("alltoall", 3)])
+def test_resume_equals_uninterrupted(tmp_path, topology, oks):
+    proc = run_script("resume.py", str(tmp_path), f"topology={topology}", timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == oks, proc.stdout + proc.stderr[-3000:]
     assert (tmp_path / "full" / "ckpt-step4" / "rank0.pt").is_file()
 
 

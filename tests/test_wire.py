@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from psgrad import wire
 from psgrad.codecs import Message, make_codec
-from psgrad.wire import WireError
+from psgrad.comm.wire import WireError
 
 SPECS = [
     "none",

@@ -3,9 +3,9 @@
 import json
 import sys
 
+from psgrad.comm.transport import world_rank
 from psgrad.config import RunConfig
 from psgrad.train import run
-from psgrad.transport import world_rank
 
 failures = []
 for item in sys.argv[1:]:

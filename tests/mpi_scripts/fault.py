@@ -1,4 +1,5 @@
-"""Under mpiexec: worker rank 2 fails at step 3, by exception or by SIGKILL."""
+"""Under mpiexec: the worker with index 1 fails at step 3, by exception or by SIGKILL (rank 2
+with the ps topology on 3 ranks, rank 1 with colocated)."""
 
 import os
 import signal
@@ -9,6 +10,7 @@ from psgrad.data import ShardLoader, load_dataset
 from psgrad.train import run
 
 how = sys.argv[1]
+topology = sys.argv[2] if len(sys.argv) > 2 else "ps"
 
 
 class FaultyLoader:
@@ -27,4 +29,4 @@ class FaultyLoader:
         return self.inner.batch(step)
 
 
-run(RunConfig(model="mlp", steps=50, batch_size=8, progress=False), loader_fn=FaultyLoader)
+run(RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology), loader_fn=FaultyLoader)

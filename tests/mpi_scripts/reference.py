@@ -1,5 +1,7 @@
 """Under mpiexec: psgrad with codec `none` == plain averaged SGD in one process (rank 0 checks).
 
+``--alltoall`` / ``--colocated``: every rank is a worker (and with colocated, also a server).
+
 ``--sign-one-step [--no-bucket-vectors]``: one step with the lossy sign codec both ways. The 1-D
 parameters travel exactly in their own bucket, so they must equal the reference while every
 weight matrix must differ; without the bucket the biases are sign-coded and differ too.
@@ -9,15 +11,16 @@ import sys
 
 import torch
 
+from psgrad.comm.transport import world_rank, world_size
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.models import build_model
 from psgrad.train import run
-from psgrad.transport import world_rank, world_size
 
 sign_one_step = "--sign-one-step" in sys.argv
 bucket = "--no-bucket-vectors" not in sys.argv
 alltoall = "--alltoall" in sys.argv
+colocated = "--colocated" in sys.argv
 steps = 1 if sign_one_step else 6
 kw = dict(
     model="mlp",
@@ -46,11 +49,11 @@ cfg = RunConfig(
     codec=codec,
     down_codec=down,
     bucket_vectors=bucket,
-    topology="alltoall" if alltoall else "ps",
+    topology="alltoall" if alltoall else "colocated" if colocated else "ps",
 )
 result = run(cfg)
 if world_rank() == 0:
-    workers = world_size() if alltoall else world_size() - 1
+    workers = world_size() if alltoall or colocated else world_size() - 1
     torch.manual_seed(cfg.seed)
     model = build_model("mlp", 10)
     opt = torch.optim.SGD(

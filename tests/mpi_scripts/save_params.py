@@ -1,5 +1,5 @@
 """Under mpiexec: train with the given codec/options; the first worker saves its final parameters,
-server 0 the model it evaluated and its eval rows."""
+rank 0 (server 0, or the colocated rank 0) the model it evaluated and its eval rows."""
 
 import sys
 
@@ -13,11 +13,12 @@ options = dict(
     model="convnet", steps=6, batch_size=8, synthetic_size=256, lr=0.05, progress=False, codec=codec, servers=servers
 )
 for item in extra:
-    key, value = item.split("=")
+    key, value = item.split("=", 1)
     options[key] = type(getattr(RunConfig(), key))(value) if getattr(RunConfig(), key) is not None else int(value)
-result = run(RunConfig(**options))
-if result.rank == 0 and result.role == "server":
-    torch.save({"params": result.params, "evals": result.evals}, out + ".server")
-if result.role == "worker" and result.rank == servers:
+cfg = RunConfig(**options)
+result = run(cfg)
+if result.rank == 0:
+    torch.save({"params": result.params, "evals": result.evals, "rows": result.rows}, out + ".server")
+if result.role != "server" and result.rank == (servers if cfg.topology == "ps" else 0):
     torch.save(result.params, out)
     print("SAVED", flush=True)

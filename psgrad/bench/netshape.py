@@ -7,7 +7,7 @@
    other end, ``p<i>``, is a port of the bridge.
 3. A token-bucket filter (``tc qdisc ... tbf rate R``) on both ends of every veth pair limits each
    rank's link to R in each direction: one full-duplex NIC per node on a switch.
-4. ``mpiexec`` starts ``python -m psgrad.netshape exec CMD`` on every rank, which reads the rank
+4. ``mpiexec`` starts ``python -m psgrad.bench.netshape exec CMD`` on every rank, which reads the rank
    MPICH gave it (``PMI_RANK``) and replaces itself with ``ip netns exec <prefix>-r<rank> CMD``.
    The rank's PMI connection to mpiexec is an inherited socket, so it crosses into the namespace;
    ``environment()`` forces MPICH (and gloo, for the DDP baselines) onto TCP over ``psg0``.
@@ -152,7 +152,7 @@ class ShapedNetwork:
 
     def wrap(self, command: list[str]) -> list[str]:
         """The rank command as mpiexec must start it: inside the rank's namespace."""
-        return [sys.executable, "-m", "psgrad.netshape", "exec", *command]
+        return [sys.executable, "-m", "psgrad.bench.netshape", "exec", *command]
 
     def _add_namespace(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -204,11 +204,11 @@ def _exec_in_namespace(command: list[str]) -> None:
     prefix = os.environ.get("PSGRAD_NETNS_PREFIX")
     rank = os.environ.get("PMI_RANK")
     if not prefix or rank is None:
-        sys.exit("psgrad.netshape exec: run by 'psgrad bench --bandwidth' under MPICH's mpiexec (PMI_RANK unset)")
+        sys.exit("psgrad.bench.netshape exec: run by 'psgrad bench --bandwidth' under MPICH's mpiexec (PMI_RANK unset)")
     os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-r{rank}", *command])
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "exec":
-        sys.exit("usage: python -m psgrad.netshape exec COMMAND...")
+        sys.exit("usage: python -m psgrad.bench.netshape exec COMMAND...")
     _exec_in_namespace(sys.argv[2:])

@@ -11,39 +11,34 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
-TAG_CONTROL = 1
-TAG_VALUES = 2  # server -> server 0: a server's layer values for evaluation
-TAG_LAYER_BASE = 16
-
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
 _MIN_SLEEP = 50e-6
 _MAX_SLEEP = 1e-3
 
-
-def layer_tag(index: int) -> int:
-    """The MPI tag of layer ``index`` (grad up and params down share it; direction tells them apart)."""
-    tag = TAG_LAYER_BASE + index
-    if tag > MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
-        raise ValueError(f"layer index {index} exceeds MPI's tag range")
-    return tag
+Idle = Callable[[], bool]
+"""Work to do while a wait has nothing to show (a colocated server's polling); True when it did some."""
 
 
 @dataclass
 class Handle:
-    """A pending send or receive. Keeps the request and its buffer alive until completion."""
+    """A pending send, receive or collective; keeps its MPI request and buffer alive until done.
 
-    request: MPI.Request
+    Roles use ``test()``, ``wait()`` and ``cancel()``; the MPI request itself stays in here.
+    """
+
+    _request: MPI.Request
     buffer: bytes | bytearray
     peer: int
     tag: int
     key: object = None
     count: int = -1
+    transport: Transport | None = None
     status: MPI.Status = field(default_factory=MPI.Status)
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
@@ -51,6 +46,44 @@ class Handle:
     def payload(self) -> memoryview:
         """The received bytes (valid after completion of a receive)."""
         return memoryview(self.buffer)[: self.count]
+
+    @property
+    def done(self) -> bool:
+        return self.finished != 0.0
+
+    def test(self) -> bool:
+        """True once the operation completed (drives MPI's progress engine)."""
+        if not self.done and self._request.Test(self.status):
+            self._complete()
+        return self.done
+
+    def wait(self, idle: Idle | None = None, patience: Patience | None = None) -> Handle:
+        """Block with back-off until done; ``idle`` runs between tests (its work resets the back-off)."""
+        backoff = Backoff(patience or Patience())
+        while not self.test():
+            if idle is not None and idle():
+                backoff.reset()
+            else:
+                backoff.idle()
+        if self.transport is not None:
+            self.transport.idle_seconds += backoff.slept
+        return self
+
+    def cancel(self) -> None:
+        """Cancel a posted receive that will never be matched."""
+        if not self.done and self._request != MPI.REQUEST_NULL:
+            self._request.Cancel()
+            self._request.Wait()
+        self.finished = self.finished or time.perf_counter()
+
+    def _complete(self) -> None:
+        self.finished = time.perf_counter()
+        if self.count < 0:  # a receive
+            self.count = self.status.Get_count(MPI.BYTE)
+            if self.count == MPI.UNDEFINED or self.count < 0:
+                self.count = 0
+            if self.transport is not None:
+                self.transport.bytes_received += self.count
 
 
 @dataclass(frozen=True)
@@ -103,28 +136,31 @@ class Transport:
         self.idle_seconds = 0.0
         self._statuses: list[MPI.Status] = []
 
+    def dup(self) -> Transport:
+        """A transport on a duplicate of this communicator (its own matching space for collectives)."""
+        return Transport(self.comm.Dup())
+
+    def check_tag(self, tag: int) -> None:
+        if tag > self.comm.Get_attr(MPI.TAG_UB):
+            raise ValueError(f"MPI tag {tag} exceeds this MPI's tag range: too many layers for --granularity layer")
+
+    def _handle(self, request: MPI.Request, buffer, peer: int, tag: int, key: object = None, count: int = -1) -> Handle:
+        return Handle(request, buffer, peer, tag, key, count, transport=self)
+
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
         request = self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag)
         self.bytes_sent += len(data)
-        return Handle(request, data, dest, tag, key, count=len(data))
+        return self._handle(request, data, dest, tag, key, count=len(data))
 
     def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         request = self.comm.Irecv([buf, nbytes, MPI.BYTE], source=source, tag=tag)
-        return Handle(request, buf, source, tag, key)
+        return self._handle(request, buf, source, tag, key)
 
     def repost(self, handle: Handle) -> Handle:
         """Post the same receive again into the same buffer (after its payload was consumed)."""
         return self.irecv(len(handle.buffer), handle.peer, handle.tag, handle.key, handle.buffer)
-
-    def _complete(self, handle: Handle) -> None:
-        handle.finished = time.perf_counter()
-        if handle.count < 0:  # a receive
-            handle.count = handle.status.Get_count(MPI.BYTE)
-            if handle.count == MPI.UNDEFINED or handle.count < 0:
-                handle.count = 0
-            self.bytes_received += handle.count
 
     def test_some(self, handles: Sequence[Handle]) -> list[int]:
         """Indices of the handles that completed now (each is reported once)."""
@@ -133,47 +169,42 @@ class Transport:
         while len(self._statuses) < len(handles):
             self._statuses.append(MPI.Status())
         statuses = self._statuses[: len(handles)]  # reused: a poll allocates no Status objects
-        done = MPI.Request.Testsome([h.request for h in handles], statuses)
+        done = MPI.Request.Testsome([h._request for h in handles], statuses)
         if not done:
             return []
         for position, i in enumerate(done):
             handles[i].status = MPI.Status(statuses[position])  # completion order, not request order
-            self._complete(handles[i])
+            handles[i]._complete()
         return list(done)
 
     def wait_some(
-        self, handles: Sequence[Handle], timeout: float | None = None, patience: Patience = Patience()
+        self,
+        handles: Sequence[Handle],
+        timeout: float | None = None,
+        patience: Patience = Patience(),
+        idle: Idle | None = None,
     ) -> list[int]:
-        """Block (with ``patience``'s back-off) until a handle completes; [] on timeout or if none is active."""
+        """Block (with ``patience``'s back-off) until a handle completes; [] on timeout, if none is
+        active, or once ``idle`` did some work (so the caller can look at what changed)."""
         if not handles:
             return []
         backoff = Backoff(patience)
         start = time.perf_counter()
         while True:
             done = self.test_some(handles)
-            if done:
+            if done or (idle is not None and idle()):
                 self.idle_seconds += backoff.slept
                 return done
-            if all(h.request == MPI.REQUEST_NULL for h in handles):
+            if all(h._request == MPI.REQUEST_NULL for h in handles):
                 return []
             if timeout is not None and time.perf_counter() - start > timeout:
                 self.idle_seconds += backoff.slept
                 return []
             backoff.idle()
 
-    def wait(self, handle: Handle) -> Handle:
-        """Block (with back-off) until ``handle`` completes."""
-        backoff = Backoff()
-        while not handle.request.Test(handle.status):
-            backoff.idle()
-        self._complete(handle)
-        self.idle_seconds += backoff.slept
-        return handle
-
-    def wait_all(self, handles: Sequence[Handle]) -> None:
+    def wait_all(self, handles: Sequence[Handle], idle: Idle | None = None) -> None:
         for handle in handles:
-            if handle.finished == 0.0:
-                self.wait(handle)
+            handle.wait(idle)
 
     def progress(self, handles: list[Handle]) -> list[Handle]:
         """Drive MPI's progress engine and drop the handles that completed (cheap; call often)."""
@@ -182,56 +213,49 @@ class Transport:
         done = set(self.test_some(handles))
         return [h for i, h in enumerate(handles) if i not in done]
 
-    def cancel(self, handle: Handle) -> None:
-        """Cancel a posted receive that will never be matched."""
-        if handle.request != MPI.REQUEST_NULL:
-            handle.request.Cancel()
-            handle.request.Wait()
-
     # ---------------------------------------------------------------- collectives
-    def iallgather_sizes(self, nbytes: int) -> tuple[MPI.Request, np.ndarray]:
+    def iallgather_sizes(self, nbytes: int) -> tuple[Handle, np.ndarray]:
+        """Start gathering every rank's ``nbytes``; the array fills in when the handle is done."""
         sizes = np.zeros(self.size, dtype=np.int64)
         request = self.comm.Iallgather([np.array([nbytes], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
-        return request, sizes
+        return self._handle(request, sizes, -1, -1, count=0), sizes
 
-    def iallgatherv_bytes(self, data: bytes, sizes: np.ndarray) -> tuple[MPI.Request, bytearray, np.ndarray]:
+    def iallgatherv_bytes(self, data: bytes, sizes: np.ndarray) -> tuple[Handle, bytearray, np.ndarray]:
+        """Start gathering every rank's ``data`` (of the gathered ``sizes``) into one buffer."""
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         out = bytearray(int(sizes.sum()))
         request = self.comm.Iallgatherv([data, MPI.BYTE], [out, (sizes.tolist(), offsets.tolist()), MPI.BYTE])
         self.bytes_sent += len(data) * (self.size - 1)
         self.bytes_received += int(sizes.sum()) - len(data)
-        return request, out, offsets
+        return self._handle(request, (data, out), -1, -1, count=0), out, offsets
 
-    def wait_request(self, request: MPI.Request) -> None:
-        backoff = Backoff()
-        while not request.Test():
-            backoff.idle()
-        self.idle_seconds += backoff.slept
+    def _wait_request(self, request: MPI.Request, idle: Idle | None = None) -> None:
+        self._handle(request, b"", -1, -1, count=0).wait(idle)
 
-    def allreduce_sum(self, values: Sequence[float]) -> np.ndarray:
-        """Sum a few floats over all ranks (waits with back-off)."""
+    def allreduce_sum(self, values: Sequence[float], idle: Idle | None = None) -> np.ndarray:
+        """Sum floats over all ranks (waits with back-off, running ``idle`` meanwhile)."""
         send = np.asarray(values, dtype=np.float64)
         out = np.zeros_like(send)
-        self.wait_request(self.comm.Iallreduce([send, MPI.DOUBLE], [out, MPI.DOUBLE], op=MPI.SUM))
+        self._wait_request(self.comm.Iallreduce([send, MPI.DOUBLE], [out, MPI.DOUBLE], op=MPI.SUM), idle)
         return out
 
     def all_pids(self) -> list[int]:
         """Every rank's process id (so MPI's "PID n killed" messages can be mapped to ranks)."""
         pids = np.zeros(self.size, dtype=np.int64)
-        self.wait_request(
+        self._wait_request(
             self.comm.Iallgather([np.array([os.getpid()], dtype=np.int64), MPI.INT64_T], [pids, MPI.INT64_T])
         )
         return pids.tolist()
 
     def barrier(self) -> None:
-        self.wait_request(self.comm.Ibarrier())
+        self._wait_request(self.comm.Ibarrier())
 
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """Broadcast a byte string (length first, then the bytes)."""
         size = np.array([len(data) if data is not None else 0], dtype=np.int64)
-        self.wait_request(self.comm.Ibcast([size, MPI.INT64_T], root=root))
+        self._wait_request(self.comm.Ibcast([size, MPI.INT64_T], root=root))
         buf = bytearray(data) if self.rank == root and data is not None else bytearray(int(size[0]))
-        self.wait_request(self.comm.Ibcast([buf, MPI.BYTE], root=root))
+        self._wait_request(self.comm.Ibcast([buf, MPI.BYTE], root=root))
         return bytes(buf)
 
     # ---------------------------------------------------------------- topology and failure
@@ -247,6 +271,9 @@ class Transport:
         """End the whole MPI job now (every rank), with ``code``."""
         sys.stdout.flush()
         sys.stderr.flush()
+        # mpiexec forwards each rank's output through its proxies, and an abort can end them before
+        # the last lines (the error that caused it) are through: give them a moment
+        time.sleep(0.5)
         self.comm.Abort(code)
         os._exit(code)  # Abort does not return; this is for MPI stubs that do
 

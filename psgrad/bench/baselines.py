@@ -1,7 +1,7 @@
 """Reference rows for ``psgrad bench``: torch DDP (dense, PowerSGD) and compute alone.
 
 Each baseline trains the same model on the same per-worker batches as the parameter-server run
-and returns per-step rows in the shape ``psgrad.bench`` measures (``wall`` plus the time
+and returns per-step rows in the shape ``psgrad.bench.launcher`` measures (``wall`` plus the time
 breakdown and bytes), so they land in the same table.
 
 1. ``compute``: every worker rank trains its own shard at the same time, with no communication at
@@ -30,9 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .config import RunConfig
-from .data import ShardLoader, load_dataset
-from .models import build_model
+from ..config import RunConfig
+from ..data import ShardLoader, load_dataset
+from ..models import build_model
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 
@@ -93,7 +93,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns the rows, others []."""
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
-    from .transport import Transport  # imported here: importing mpi4py initialises MPI
+    from ..comm.transport import Transport  # imported here: importing mpi4py initialises MPI
 
     torch.set_num_threads(cfg.threads)
     transport = Transport()

@@ -4,7 +4,7 @@ Two ways to run it:
 
 * Started without MPI (``psgrad bench ...``), it is a launcher: every (round, item) is its own
   ``mpiexec`` job (servers + workers ranks for a codec, workers ranks for a baseline), optionally inside bandwidth-shaped network namespaces
-  (``--bandwidth``, see ``psgrad.netshape``). A job that fails or overruns ``--timeout`` stops
+  (``--bandwidth``, see ``psgrad.bench.netshape``). A job that fails or overruns ``--timeout`` stops
   the bench with the job's own error output.
 * Started under MPI (``mpiexec -n 3 psgrad bench ...``), all codecs run inside that one job
   (no baselines, no shaping: those need their own jobs).
@@ -41,10 +41,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..comm.protocol import TIME_KEYS, RankLayout
+from ..config import RunConfig
+from ..options import option_overrides
 from .baselines import BASELINES
-from .config import RunConfig
 
-BREAKDOWN = ("forward", "backward", "encode", "push_wait", "pull_wait", "decode", "apply")
+BREAKDOWN = TIME_KEYS
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 NAN = float("nan")
 
@@ -76,6 +78,7 @@ class BenchRow:
     pull_wait: float = 0.0
     decode: float = 0.0
     apply: float = 0.0
+    serve: float = 0.0
     it_per_s_runs: list[float] = field(default_factory=list)
 
 
@@ -93,7 +96,7 @@ def measure(rows: list[dict], warmup: int) -> dict:
     # times, which would miss the time spent between steps
     out = {"it_per_s": (len(wall) - 1) / span if span > 0 else 1.0 / tail[0]["step_time"]}
     for key in ("bytes_up", "bytes_down", *BREAKDOWN):
-        out[key] = statistics.fmean(r[key] for r in tail)
+        out[key] = statistics.fmean(r.get(key, 0.0) for r in tail)
     # the last measured step's loss: a diverging configuration shows itself in the table
     out["loss"] = float(tail[-1].get("loss", NAN))
     cpu = [r.get("server_cpu") for r in tail]
@@ -120,10 +123,6 @@ def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     An item is a codec spec or baseline name, optionally followed by train options that hold for
     that row only: ``topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01``.
     """
-    import shlex
-
-    from .cli import option_overrides
-
     head, *rest = shlex.split(item) or [""]
     overrides = option_overrides(rest) if rest else {}
     if head not in BASELINES:
@@ -139,7 +138,7 @@ def run_item(item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: 
 
         rows = run_baseline(head, replace(cfg, steps=steps + warmup), steps + warmup, powersgd_rank)
         return measure(rows, warmup) if rows else None
-    from .train import run
+    from ..train import run
 
     result = run(replace(cfg, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
     return measure(result.rows, warmup) if result.rank == 0 else None
@@ -198,7 +197,7 @@ def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     head, cfg = item_config(item, cfg)
     if head in BASELINES:
         return workers
-    return workers + (cfg.servers if cfg.topology == "ps" else 0)
+    return RankLayout.ranks_needed(cfg.topology, workers, cfg.servers)
 
 
 def orchestrate(
@@ -264,7 +263,7 @@ def _child(job_path: str) -> None:
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
     if job["item"].split()[0] in BASELINES:
-        from .transport import finalize_and_exit
+        from ..comm.transport import finalize_and_exit
 
         finalize_and_exit(0)
 
@@ -322,7 +321,7 @@ def summarize(
                 med.get("loss", NAN),
                 ideal,
                 of_ideal,
-                **{k: med[k] for k in BREAKDOWN},
+                **{k: med.get(k, 0.0) for k in BREAKDOWN},
                 it_per_s_runs=its,
             )
         )
@@ -383,7 +382,3 @@ def report(rows: list[BenchRow], header: str, json_path: str | None, plot_path: 
             json.dump(as_json(rows), f, indent=1)
     if plot_path:
         plot_bars(rows, plot_path, header)
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1])

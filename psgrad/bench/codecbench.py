@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import wire
-from .codecs import make_codec
+from ..codecs import make_codec
+from ..comm import wire
 
 DEFAULT_SPECS = (
     "none",

@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import torch
 
-from .codecs import Codec, Message, make_codec
-from .codecs.base import GRAD_DTYPES
+from ..codecs import Codec, Message, make_codec
+from ..codecs.base import GRAD_DTYPES
 
 FORMAT_VERSION = 1
 KINDS = ("grad", "params", "delta", "control", "buffers")

@@ -1,0 +1,297 @@
+"""What every role shares: rank layouts, the layer plan, tags, seeds, step statistics and the
+gradient message a worker sends. Pure Python and torch: importing it does not start MPI.
+
+Roles never import each other; whatever two of them must agree on lives here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from ..codecs import Message, make_codec
+from ..feedback import NoFeedback
+from . import wire
+
+# ---------------------------------------------------------------------- tags
+TAG_CONTROL = 1  # worker -> server: stats, BatchNorm buffers and stop, in the order sent
+TAG_VALUES = 2  # server -> server 0: a server's layer values for evaluation
+TAG_LAYER_BASE = 16  # + layer index: gradients up and parameters down (direction tells them apart)
+
+
+def layer_tag(index: int) -> int:
+    """The MPI tag of layer ``index``."""
+    return TAG_LAYER_BASE + index
+
+
+# ---------------------------------------------------------------------- rank layouts
+# How a topology places servers and workers on ranks:
+#   separate  — ranks 0..S-1 serve, the rest work (the parameter server, --servers S)
+#   colocated — every rank works and also serves a shard of the layers (BytePS-style)
+#   peers     — every rank works, nobody serves (all-to-all exchange)
+LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers"}
+TOPOLOGIES = tuple(LAYOUTS)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which ranks serve and which work, for ``topology`` on ``world`` ranks."""
+
+    world: int
+    servers: int = 1
+    topology: str = "ps"
+
+    def __post_init__(self) -> None:
+        if self.topology not in LAYOUTS:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.kind == "separate":
+            if self.servers < 1:
+                raise ValueError("the ps topology needs --servers >= 1")
+            if self.world < self.servers + 1:
+                raise ValueError(
+                    f"{self.world} MPI rank(s) cannot hold {self.servers} server(s) and a worker: "
+                    f"start at least {self.servers + 1} ranks (mpiexec -n {self.servers + 1} ...)"
+                )
+
+    @property
+    def kind(self) -> str:
+        return LAYOUTS[self.topology]
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return {"separate": list(range(self.servers)), "colocated": list(range(self.world)), "peers": []}[self.kind]
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.servers, self.world)) if self.kind == "separate" else list(range(self.world))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ranks)
+
+    def is_server(self, rank: int) -> bool:
+        return rank in self.server_ranks
+
+    def is_worker(self, rank: int) -> bool:
+        return rank in self.worker_ranks
+
+    def worker_index(self, rank: int) -> int:
+        return self.worker_ranks.index(rank)
+
+    def role_name(self, rank: int) -> str:
+        serves, works = self.is_server(rank), self.is_worker(rank)
+        return "server+worker" if serves and works else "server" if serves else "worker" if works else "peer"
+
+    @staticmethod
+    def ranks_needed(topology: str, workers: int, servers: int) -> int:
+        """MPI ranks a job of ``workers`` workers needs under ``topology``."""
+        return workers + (servers if LAYOUTS[topology] == "separate" else 0)
+
+
+# ---------------------------------------------------------------------- the layer plan
+def shard_layers(sizes: list[float], servers: int) -> list[int]:
+    """Owner (0..servers-1) of each layer, balancing total size.
+
+    1. Visit layers from largest to smallest (ties: lower index first).
+    2. Give each to the server with the least total size so far (ties: lower server).
+    """
+    if servers < 1:
+        raise ValueError(f"need at least one server, got {servers}")
+    load = [0.0] * servers
+    owner = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        server = min(range(servers), key=lambda s: (load[s], s))
+        owner[index] = server
+        load[server] += sizes[index]
+    return owner
+
+
+VECTORS_LAYER = "__vectors__"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One unit of communication: a parameter, the bucket of all 1-D parameters, or (granularity
+    ``model``) all of them flattened. ``owner`` is the serving rank; ``compress`` False: the layer
+    always travels as exact fp32."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    params: tuple[str, ...]
+    owner: int
+    compress: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def plan_layers(
+    named_shapes: list[tuple[str, tuple[int, ...]]],
+    granularity: str,
+    owners: list[int] | int,
+    bucket_vectors: bool = False,
+    cost: Callable[[tuple[int, ...], bool], float] | None = None,
+) -> list[Layer]:
+    """The layers every rank agrees on, from the model's ordered (name, shape) list.
+
+    ``owners`` are the serving ranks (an int S means ranks 0..S-1); layers are balanced over them
+    by ``cost(shape, compress)`` (default: the element count; the run passes the coded bytes).
+    With ``bucket_vectors`` (granularity ``layer``), all parameters of at most one dimension —
+    biases, normalisation scales and shifts — form one uncompressed layer, placed first:
+    1. they are a tiny share of the bytes (0.1 % of WRN-16-4) but most of the messages
+       (27 of 44), and every message costs encode, framing, a send and a decode;
+    2. lossy codecs fit them badly (one sign scale for a handful of BatchNorm shifts);
+    3. first, because backward produces it last (its last member is the first block's) and the
+       forward pass needs it first, like the first convolution.
+    """
+    ranks = list(range(owners)) if isinstance(owners, int) else list(owners) or [0]
+    cost = cost or (lambda shape, compress: float(math.prod(shape)))
+    if granularity == "model":
+        total = sum(math.prod(shape) for _, shape in named_shapes)
+        return [Layer(0, "__model__", (total,), tuple(n for n, _ in named_shapes), ranks[0])]
+    if granularity != "layer":
+        raise ValueError(f"granularity must be layer or model, got {granularity!r}")
+    units: list[tuple[str, tuple[int, ...], tuple[str, ...], bool]] = []
+    vectors = [(n, shape) for n, shape in named_shapes if len(shape) <= 1] if bucket_vectors else []
+    if vectors:
+        total = sum(math.prod(shape) for _, shape in vectors)
+        units.append((VECTORS_LAYER, (total,), tuple(n for n, _ in vectors), False))
+    units += [(n, tuple(shape), (n,), True) for n, shape in named_shapes if not (bucket_vectors and len(shape) <= 1)]
+    shard = shard_layers([cost(shape, compress) for _, shape, _, compress in units], len(ranks))
+    return [
+        Layer(i, name, shape, params, ranks[shard[i]], compress)
+        for i, (name, shape, params, compress) in enumerate(units)
+    ]
+
+
+def copy_flat_into(params: dict[str, torch.Tensor], names: tuple[str, ...], flat: torch.Tensor, add: bool = False):
+    """Write (or with ``add``, add) consecutive slices of ``flat`` into the named parameters."""
+    offset = 0
+    with torch.no_grad():
+        for name in names:
+            param = params[name]
+            part = flat[offset : offset + param.numel()].view_as(param)
+            param.add_(part) if add else param.copy_(part)
+            offset += param.numel()
+
+
+def buffers_vector(model: nn.Module) -> torch.Tensor:
+    """All floating BatchNorm statistics as one fp32 vector (integer counters are not averaged)."""
+    tensors = [b.detach().float().view(-1) for b in model.buffers() if b.is_floating_point()]
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
+def load_buffers_vector(model: nn.Module, flat: torch.Tensor) -> None:
+    floating = [b for b in model.buffers() if b.is_floating_point()]
+    copy_flat_into(dict(enumerate(floating)), tuple(range(len(floating))), flat)
+
+
+# ---------------------------------------------------------------------- seeds and messages
+SERVER_STREAM = 1 << 20  # the "sender" of a server's down-link seeds: no worker index reaches it
+
+
+def message_seed(run_seed: int, step: int, layer: int, stream: int) -> int:
+    """One seed per (run seed, step, layer, stream): random codecs never share a stream.
+
+    Workers use their worker index as the stream and servers ``SERVER_STREAM`` (a layer has one
+    owner), so the same run draws the same numbers whichever ranks play the parts: colocated
+    servers equal separate ones bit for bit, random codecs included.
+    """
+    return ((run_seed * 1_000_003 + step) * 65_537 + layer * 4_099 + stream) % (2**63)
+
+
+_EXACT = make_codec("none")
+
+
+def encode_gradient(
+    feedback: NoFeedback, layer: Layer, grad: torch.Tensor, step: int, sender: int, stream: int, run_seed: int
+) -> Message:
+    """Feedback -> codec for one layer's gradient: the message a worker sends (an uncompressed
+    layer skips feedback and codec: it goes exact)."""
+    grad = grad.detach().reshape(layer.shape)
+    if layer.compress:
+        msg = feedback.encode(layer.name, grad, message_seed(run_seed, step, layer.index, stream))
+    else:
+        msg = _EXACT.encode(grad)
+    msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, sender
+    return msg
+
+
+def layer_grad(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
+    """``layer``'s gradient as one flat tensor (zeros for parameters that got none)."""
+    parts = [
+        (params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])).reshape(-1)
+        for n in layer.params
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class GradientGate:
+    """Tells when the last parameter of a layer got its gradient in this step's backward.
+
+    Per-parameter hooks fire one at a time; a layer of several parameters (the 1-D bucket) is
+    complete only with the last of them.
+    """
+
+    def __init__(self, layers: list[Layer]) -> None:
+        self.layers = layers
+        self.reset()
+
+    def reset(self) -> None:
+        self.missing = {layer.index: len(layer.params) for layer in self.layers}
+
+    def arrived(self, layer: Layer) -> bool:
+        """Count one parameter of ``layer`` in; True when it was the last one."""
+        self.missing[layer.index] -= 1
+        return self.missing[layer.index] == 0
+
+
+def upload_bound(feedback: NoFeedback, layer: Layer) -> int:
+    """Largest gradient message a worker may send for ``layer`` (the feedback may send more than
+    the codec's own bound, e.g. DGC's warm-up)."""
+    if not layer.compress:
+        return wire.max_message_bytes("none", layer.shape, layer.name)
+    return max(wire.max_message_bytes(spec, layer.shape, layer.name) for spec in feedback.codec_specs())
+
+
+def control_message(op: str, sender: int, step: int = 0, **meta) -> Message:
+    return Message("none", {}, (0,), "float32", {}, kind="control", step=step, sender=sender, meta={"op": op, **meta})
+
+
+def tensor_message(kind: str, layer: str, step: int, sender: int, flat: torch.Tensor) -> Message:
+    """An exact fp32 message (BatchNorm buffers, a server's values)."""
+    msg = _EXACT.encode(flat)
+    msg.kind, msg.step, msg.layer, msg.sender = kind, step, layer, sender
+    return msg
+
+
+# ---------------------------------------------------------------------- step statistics
+@dataclass
+class StepStats:
+    """One worker's step: seconds per phase and bytes it sent and received."""
+
+    step: int = 0
+    loss: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    encode: float = 0.0
+    push_wait: float = 0.0
+    pull_wait: float = 0.0
+    decode: float = 0.0
+    apply: float = 0.0
+    serve: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    step_time: float = 0.0
+
+
+TIME_KEYS = tuple(
+    f.name for f in fields(StepStats) if f.name not in ("step", "loss", "bytes_up", "bytes_down", "step_time")
+)
+"""The phases of a step, in order (the bench's breakdown columns)."""

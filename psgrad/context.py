@@ -1,0 +1,299 @@
+"""The run context, built once per rank, and the interface every role implements.
+
+``RunContext.build`` does, in order: settings -> rank layout -> model -> layer plan -> this
+rank's data shard -> steps -> resume state -> metrics log (rank 0). Every role receives the same
+context, so no role wires up a model, codec, feedback or checkpoint path of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .codecs import make_codec
+from .comm import wire
+from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
+from .comm.transport import Transport
+from .config import RunConfig
+from .data import ShardLoader, eval_batches, load_dataset
+from .feedback import NoFeedback, make_feedback
+from .metrics import MetricsLog
+from .models import build_model
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _IterLoader:
+    """Adapts a re-iterable loader of (inputs, labels) to ``batch(step)`` (epochs restart it)."""
+
+    def __init__(self, iterable: Iterable) -> None:
+        self.iterable = iterable
+        self.steps_per_epoch = len(iterable)  # type: ignore[arg-type]
+        self._it, self._next = None, 0
+
+    def batch(self, step: int):
+        if self._it is None or step != self._next or step % self.steps_per_epoch == 0:
+            self._it = iter(self.iterable)
+            for _ in range(step % self.steps_per_epoch):
+                next(self._it)
+        self._next = step + 1
+        return next(self._it)
+
+
+def evaluate(model: nn.Module, batches: Iterable, loss_fn: LossFn) -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` over ``batches``."""
+    model.eval()
+    total, loss_sum, correct = 0, 0.0, 0
+    with torch.no_grad():
+        for images, labels in batches:
+            out = model(images)
+            loss_sum += float(loss_fn(out, labels)) * len(labels)
+            correct += int((out.argmax(1) == labels).sum())
+            total += len(labels)
+    return loss_sum / max(1, total), correct / max(1, total)
+
+
+def _device(cfg: RunConfig, transport: Transport) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch sees no CUDA device on this node")
+    return torch.device("cuda", transport.local_rank() % torch.cuda.device_count())
+
+
+@dataclass
+class RunContext:
+    """Everything a role needs, built once by ``build``."""
+
+    cfg: RunConfig
+    transport: Transport
+    layout: RankLayout
+    model: nn.Module
+    layers: list
+    loss_fn: LossFn
+    label: str
+    steps_per_epoch: int
+    total: int
+    start: int
+    device: torch.device
+    loader: object | None = None
+    resume: dict | None = None
+    log: MetricsLog | None = None
+    eval_data: Iterable | None = None
+    doing: str = "setting up"
+    buffers_size: int = 0
+    _test_set: object = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(
+        cls,
+        cfg: RunConfig,
+        transport: Transport,
+        model_fn: Callable[[], nn.Module] | None = None,
+        loader_fn: Callable[[int, int], object] | None = None,
+        eval_data: Iterable | None = None,
+        loss_fn: LossFn | None = None,
+    ) -> RunContext:
+        """Build this rank's context (collective: every rank calls it)."""
+        torch.set_num_threads(cfg.threads)
+        layout = RankLayout(transport.size, cfg.servers, cfg.topology)
+        rank = transport.rank
+        torch.manual_seed(cfg.seed)  # same initial model on every rank
+        model = (
+            model_fn()
+            if model_fn
+            else build_model(
+                cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
+            )
+        )
+        named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+        layers = plan_layers(
+            named, cfg.granularity, layout.server_ranks, cfg.bucket_vectors, cost=_coded_bytes(cfg.codec)
+        )
+        transport.check_tag(layer_tag(len(layers)))
+        label = "synthetic" if cfg.dataset == "synthetic" and loader_fn is None else cfg.dataset
+        loader = None
+        if layout.is_worker(rank):
+            index, workers = layout.worker_index(rank), layout.num_workers
+            if loader_fn is not None:
+                loader = loader_fn(index, workers)
+                loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
+            else:
+                train_set = load_dataset(
+                    cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+                )
+                loader = ShardLoader(
+                    train_set, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
+                )
+        # every rank agrees on the steps per epoch: the mean of the workers' shards
+        spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
+        total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
+        ctx = cls(
+            cfg,
+            transport,
+            layout,
+            model,
+            layers,
+            loss_fn or torch.nn.functional.cross_entropy,
+            label,
+            spe,
+            total,
+            0,
+            _device(cfg, transport) if layout.is_worker(rank) else torch.device("cpu"),
+            loader,
+            eval_data=eval_data,
+            buffers_size=buffers_vector(model).numel(),
+        )
+        ctx.resume = ctx._load_resume()
+        ctx.start = int(ctx.resume["step"]) if ctx.resume else 0
+        if ctx.start >= total:
+            raise ValueError(f"--resume is at step {ctx.start}, nothing left of {total} steps")
+        ctx._announce(model_fn is None)
+        if rank == 0:
+            ctx.log = MetricsLog(
+                cfg.log_dir, total, ctx.start, spe, f"psgrad {label} {cfg.topology}", cfg.tensorboard, cfg.progress
+            )
+        return ctx
+
+    def _announce(self, named_model: bool) -> None:
+        pids = self.transport.all_pids()
+        if self.rank != 0:
+            return
+        layout, cfg = self.layout, self.cfg
+        roles = ", ".join(f"{r}={layout.role_name(r)}:{pid}" for r, pid in enumerate(pids))
+        print(f"[psgrad] rank=role:pid {roles}", file=sys.stderr)
+        if cfg.log_dir:
+            cfg.save(cfg.log_dir)
+        servers = len(layout.server_ranks)
+        model = cfg.model if named_model else type(self.model).__name__
+        params = sum(p.numel() for p in self.model.parameters())
+        print(
+            f"[psgrad] {self.transport.size} ranks ({servers} serving, {layout.num_workers} working), topology "
+            f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(self.layers)} messages/step), "
+            f"data {self.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "
+            f"steps {self.start}..{self.total} ({self.steps_per_epoch} per epoch)",
+            file=sys.stderr,
+        )
+
+    # ------------------------------------------------------------------ what roles ask for
+    def make_feedback(self) -> NoFeedback:
+        """The worker-side memory around the codec, with every DGC option the run was given."""
+        cfg = self.cfg
+        options = (
+            {
+                "momentum": cfg.dgc_momentum,
+                "nesterov": cfg.nesterov,
+                "clip_norm": cfg.dgc_clip_norm,
+                "warmup_epochs": cfg.dgc_warmup_epochs,
+            }
+            if cfg.feedback == "dgc"
+            else {}
+        )
+        return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
+
+    def is_eval_step(self, step: int) -> bool:
+        """The last step, and the end of every ``eval_every``-th epoch."""
+        spe, every = self.steps_per_epoch, self.cfg.eval_every
+        if step == self.total - 1:
+            return True
+        return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
+
+    def is_checkpoint_step(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return every > 0 and (step + 1) % every == 0 and step + 1 < self.total
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        """One eval.csv row: ``model`` evaluated on the test set after ``step``."""
+        if self.eval_data is not None:
+            batches = self.eval_data
+        else:
+            if self._test_set is None:
+                cfg = self.cfg
+                self._test_set = load_dataset(
+                    cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+                )
+            batches = eval_batches(self._test_set, self.cfg.dataset)
+        test_loss, test_acc = evaluate(model, batches, self.loss_fn)
+        epoch = round((step + 1) / self.steps_per_epoch, 4)
+        return {"epoch": epoch, "step": step + 1, "test_loss": test_loss, "test_acc": test_acc, "dataset": self.label}
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_path(self, step: int) -> Path:
+        return Path(self.cfg.log_dir or "checkpoints") / f"ckpt-step{step}" / f"rank{self.rank}.pt"
+
+    def save_checkpoint(self, step: int, state: dict) -> None:
+        """Atomic: write a temporary file, then rename it over the final name."""
+        path = self.checkpoint_path(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": step, **state}, tmp)
+        os.replace(tmp, path)
+
+    def _load_resume(self) -> dict | None:
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        path = Path(cfg.resume) / f"rank{self.rank}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"--resume {cfg.resume}: no {path.name} for rank {self.rank} (was the run started with the same number of ranks?)"
+            )
+        state = torch.load(path, weights_only=True)
+        steps = self.transport.allreduce_sum([int(state["step"]), 1])
+        if steps[0] != int(state["step"]) * steps[1]:
+            raise RuntimeError(f"--resume {cfg.resume}: the ranks' checkpoint files are from different steps")
+        return state
+
+
+def _coded_bytes(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
+    """A layer's cost for sharding: the bytes its gradient message may take on the wire."""
+    return lambda shape, compress: float(wire.max_message_bytes(codec_spec if compress else "none", shape))
+
+
+class Role:
+    """What the training loop drives on every rank (``roles.ROLES[topology](ctx)`` builds one).
+
+    ``step(t)`` does this rank's part of step t (train a batch, serve until t is complete, or
+    both) and returns the metrics rows that became complete; ``evaluate(t)`` returns an eval row
+    on the rank that evaluates; ``finish()`` ends the run's traffic and returns the last rows.
+    """
+
+    name = "role"
+    doing = "starting"
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    def start(self) -> None:
+        """Post receives, send the starting parameters: whatever comes before step ``ctx.start``."""
+
+    def step(self, step: int) -> list[dict]:
+        raise NotImplementedError
+
+    def evaluate(self, step: int) -> dict | None:
+        return None
+
+    def finish(self) -> list[dict]:
+        return []
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The model this rank ends with (empty where it holds none)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a checkpoint's ``state`` (the dict ``state_dict`` gave, plus ``step``)."""

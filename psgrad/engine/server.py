@@ -1,0 +1,428 @@
+"""The serving engine: decode-and-sum gradients as they arrive, update each layer when complete.
+
+Sync mode (``SyncServer``), per layer l owned by this rank:
+1. A receive per (remote worker, l) is always posted, into a buffer sized by the codec's bound.
+   A worker on this same rank (colocated) hands its message over directly: no bytes, no MPI.
+2. ``poll`` / ``serve_until`` wait (with back-off) for *any* receive to complete; an arriving
+   gradient is validated (kind, layer, step, sender, shape) and decoded straight into l's
+   accumulator with weight 1/W — held first if an earlier worker's is still missing, so the sum
+   is always taken in worker order — and the receive is re-posted for the next step.
+3. When l has all W contributions: optimizer update of l, then l goes back to every worker at
+   once, encoded once — layers go back in the order they complete. With ``--down-codec none`` the
+   message is l's new value (``params``). With any other down-codec it is the encoded change
+   since what the workers hold (``delta``): the server keeps a copy of the workers' l (the
+   shadow), encodes value - shadow and adds the decoded message to the shadow, so what the codec
+   dropped is sent in later steps (error feedback on the down-link) and never lost. A layer that
+   is not compressed (the bucket of 1-D parameters) always goes back as its value.
+4. At start every worker gets the shadow exactly (``params``, uncompressed): fresh or resumed,
+   workers and shadow agree from the first step on.
+Async mode (``AsyncServer``): each worker's gradient is applied alone (weight 1/W) the moment it
+arrives; when a worker's layers for its step are all in, it gets the current parameters back —
+unless it is more than ``staleness`` steps ahead of the slowest active worker, in which case the
+reply waits. Replies go to one worker at a time, so each worker has a shadow of its own.
+Control messages (stop, stats, BatchNorm buffers) arrive on their own tag; the metrics rank turns
+stats into metrics rows. With several servers, every other server sends its layers' values to
+the metrics rank at an evaluation step (``send_values``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..codecs import Codec, Message, make_codec
+from ..comm import wire
+from ..comm.protocol import (
+    SERVER_STREAM,
+    TAG_CONTROL,
+    TAG_VALUES,
+    Layer,
+    layer_tag,
+    message_seed,
+    tensor_message,
+    upload_bound,
+)
+from ..comm.transport import SERVER_PATIENCE, Handle, Patience
+from ..context import RunContext
+from ..metrics import StepAggregator
+from ..optim import LayerOptimizer, learning_rate
+
+_CONTROL_BYTES = 4096
+VALUES_LAYER = "__values__"
+BUFFERS_LAYER = "__buffers__"
+
+
+class ServerBase:
+    """Serves the layers this rank owns; ``serve_until`` runs the loop, ``poll`` one round of it."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx, self.cfg, self.transport = ctx, ctx.cfg, ctx.transport
+        self.rank = ctx.rank
+        self.layers = ctx.layers
+        self.owned = [layer for layer in ctx.layers if layer.owner == self.rank]
+        params = dict(ctx.model.named_parameters())
+        # owned layer index -> flat fp32 tensor: the authoritative copy
+        self.values = {
+            layer.index: torch.cat([params[n].detach().reshape(-1).cpu() for n in layer.params]).clone()
+            for layer in self.owned
+        }
+        self.workers = ctx.layout.worker_ranks
+        self.remote_workers = [w for w in self.workers if w != self.rank]
+        self.num_workers = len(self.workers)
+        self.metrics_rank = ctx.layout.server_ranks[0]
+        # the other ranks that own layers (with more servers than layers, some own none)
+        self.other_servers = sorted({layer.owner for layer in ctx.layers} - {self.rank})
+        self.optimizer = LayerOptimizer.from_config(self.cfg)
+        self.down_codec = make_codec(self.cfg.down_codec)
+        self.exact_codec = make_codec("none")
+        self.send_deltas = self.down_codec.name != "none"
+        # what the workers hold of each owned layer: one copy in sync mode, one per worker in async
+        self.shadow: dict[tuple[int, int], torch.Tensor] = {}
+        if self.send_deltas:
+            for layer in (layer for layer in self.owned if layer.compress):
+                for w in self.shadow_keys():
+                    self.shadow[(layer.index, w)] = self.values[layer.index].clone()
+        # value - shadow of each layer is formed here, not in a fresh allocation every step
+        self.scratch = {i: torch.empty(v.numel()) for (i, _), v in self.shadow.items()}
+        self.layer_step = {layer.index: ctx.start for layer in self.owned}
+        self.active = set(self.workers)
+        self.pending: dict[object, Handle] = {}
+        self.sends: list[Handle] = []
+        self.codecs: dict[str, Codec] = {}
+        feedback = ctx.make_feedback()
+        self.bounds = {layer.index: upload_bound(feedback, layer) for layer in self.owned}
+        self.buffers_size = ctx.buffers_size
+        self.completed_step = ctx.start - 1
+        self.doing = "starting"
+        self.times = {"decode": 0.0, "apply": 0.0, "idle": 0.0}
+        # what a worker on this rank gets back (colocated): layer index -> the reply message
+        self.local_replies: dict[int, Message] = {}
+        # the metrics rank's outputs, read by the role: rows, averaged buffers and other servers' values by step
+        self.aggregator = StepAggregator(self.num_workers) if self.rank == self.metrics_rank else None
+        self.rows: list[dict] = []
+        self.eval_buffers: dict[int, torch.Tensor] = {}
+        self.peer_values: dict[int, dict[int, torch.Tensor]] = {}
+        self._buffer_acc: dict[int, list] = {}
+
+    def shadow_keys(self) -> list[int]:
+        return [-1]
+
+    # ------------------------------------------------------------------ posting
+    def _post(self, key: object, nbytes: int, source: int, tag: int) -> None:
+        self.pending[key] = self.transport.irecv(nbytes, source, tag, key)
+
+    def start(self) -> None:
+        """Post every receive and send the starting parameters to every worker."""
+        for w in self.remote_workers:
+            for layer in self.owned:
+                self._post(("grad", w, layer.index), self.bounds[layer.index], w, layer_tag(layer.index))
+            # stats, buffers and stop share the control tag, so they arrive in the order sent
+            control_bytes = max(_CONTROL_BYTES, wire.max_message_bytes("none", (self.buffers_size,), BUFFERS_LAYER))
+            self._post(("control", w), control_bytes, w, TAG_CONTROL)
+        if self.rank == self.metrics_rank:
+            for server in self.other_servers:
+                numel = sum(layer.numel for layer in self.layers if layer.owner == server)
+                nbytes = wire.max_message_bytes("none", (numel,), VALUES_LAYER)
+                self._post(("values", server, numel), nbytes, server, TAG_VALUES)
+        for layer in self.owned:
+            self._reply(layer, self.workers, exact=True)
+
+    def send_values(self, step: int) -> None:
+        """Send the values of this server's layers after ``step`` to the metrics rank (for evaluation)."""
+        if not self.owned:
+            return
+        flat = torch.cat([self.values[layer.index] for layer in self.owned])
+        msg = tensor_message("params", VALUES_LAYER, step, self.rank, flat)
+        self.sends.append(self.transport.isend(wire.dumps(msg), self.metrics_rank, TAG_VALUES))
+
+    def _shadow_of(self, layer: Layer, workers: list[int]) -> torch.Tensor:
+        return self.shadow[(layer.index, -1)]
+
+    def _reply(self, layer: Layer, workers: list[int], exact: bool = False) -> None:
+        """Send ``layer`` to ``workers``: its value (exact, or --down-codec none) or its encoded change."""
+        step = self.layer_step[layer.index]
+        if not self.send_deltas or not layer.compress:
+            msg = self.exact_codec.encode(self.values[layer.index].view(layer.shape))
+            msg.kind = "params"
+        elif exact:
+            msg = self.exact_codec.encode(self._shadow_of(layer, workers).view(layer.shape))
+            msg.kind = "params"
+        else:
+            shadow = self._shadow_of(layer, workers)
+            seed = message_seed(self.cfg.seed, step, layer.index, SERVER_STREAM)
+            change = torch.sub(self.values[layer.index], shadow, out=self.scratch[layer.index])
+            msg = self.down_codec.encode(change.view(layer.shape), seed=seed)
+            # the same decode_add the workers run on their parameters: the shadow stays bit-exact
+            self.down_codec.decode_add(msg, shadow)
+            msg.kind = "delta"
+        msg.step, msg.layer, msg.sender = step, layer.name, self.rank
+        remote = [w for w in workers if w != self.rank]
+        if len(remote) < len(workers):
+            self.local_replies[layer.index] = msg
+        if remote:
+            data = wire.dumps(msg)
+            for w in remote:
+                self.sends.append(self.transport.isend(data, w, layer_tag(layer.index)))
+
+    # ------------------------------------------------------------------ the loop
+    def poll(self) -> bool:
+        """Handle whatever arrived, without waiting; True when something did."""
+        handles = list(self.pending.values())
+        done = self.transport.test_some(handles)
+        for i in done:
+            self._arrived(handles[i])
+        self.sends = self.transport.progress(self.sends)
+        return bool(done)
+
+    def serve_until(self, finished: Callable[[], bool], patience: Patience = SERVER_PATIENCE) -> None:
+        """Serve until ``finished()`` is true, waiting with ``patience``'s back-off (by default the
+        server's: rare wake-ups, see transport.SERVER_PATIENCE)."""
+        while not finished():
+            self.doing = f"waiting for messages (step {self.completed_step + 1})"
+            handles = list(self.pending.values())
+            idle_before = self.transport.idle_seconds
+            done = self.transport.wait_some(handles, patience=patience)
+            self.times["idle"] += self.transport.idle_seconds - idle_before
+            for i in done:
+                self._arrived(handles[i])
+            self.sends = self.transport.progress(self.sends)
+            if not handles and not finished():
+                raise RuntimeError(f"rank {self.rank} waits for nothing: no receive is posted")
+
+    def finish(self) -> None:
+        """Serve until every worker said stop, then cancel the spare receives and flush the replies."""
+        self.serve_until(lambda: not self.active)
+        for key, handle in list(self.pending.items()):
+            handle.cancel()
+            del self.pending[key]
+        self.doing = "flushing replies"
+        self.transport.wait_all(self.sends)
+        self.sends = []
+
+    def _arrived(self, handle: Handle) -> None:
+        del self.pending[handle.key]
+        kind = handle.key[0]
+        try:
+            msg = wire.loads(handle.payload(), max_bytes=len(handle.buffer))
+        except wire.WireError as err:
+            raise RuntimeError(f"malformed {kind} message from rank {handle.peer}: {err}") from None
+        if msg.sender != handle.peer:
+            raise RuntimeError(f"{kind} message from rank {handle.peer} claims sender {msg.sender}")
+        if kind == "grad":
+            self._on_grad(handle.key[1], self.layers[handle.key[2]], msg)
+            if handle.peer in self.active:
+                self.pending[handle.key] = self.transport.repost(handle)
+        elif kind == "values":
+            numel = handle.key[2]
+            if msg.kind != "params" or msg.layer != VALUES_LAYER or msg.numel != numel:
+                raise RuntimeError(
+                    f"rank {handle.peer} sent {msg.kind} {msg.layer!r} of {msg.numel} values, expected its {numel} layer values"
+                )
+            self.peer_values.setdefault(msg.step, {})[handle.peer] = self.exact_codec.decode(msg).view(-1)
+            self.pending[handle.key] = self.transport.repost(handle)
+        else:
+            if self.on_control(handle.peer, msg):
+                self.pending[handle.key] = self.transport.repost(handle)
+
+    def on_control(self, worker: int, msg: Message) -> bool:
+        """A control message from ``worker`` (over MPI or handed over on this rank); False after stop."""
+        if msg.kind == "buffers":
+            self._on_buffers(worker, msg)
+        elif msg.meta.get("op") == "stats":
+            self._on_stats({"step": msg.step, **{k: v for k, v in msg.meta.items() if k != "op"}})
+        elif msg.meta.get("op") == "stop":
+            self._on_stop(worker)
+            return False
+        else:
+            raise RuntimeError(f"unknown control message {msg.kind}/{msg.meta.get('op')!r} from rank {worker}")
+        return True
+
+    def on_local_grad(self, layer: Layer, msg: Message) -> None:
+        """A gradient from the worker on this rank: no wire, no MPI."""
+        self._on_grad(self.rank, layer, msg)
+
+    def _codec(self, msg: Message) -> Codec:
+        key = f"{msg.codec}:{sorted(msg.params.items())}"
+        if key not in self.codecs:
+            self.codecs[key] = make_codec(msg.codec, **msg.params)
+        return self.codecs[key]
+
+    def _check_grad(self, worker: int, layer: Layer, msg: Message, expected: int) -> None:
+        if msg.kind != "grad" or msg.layer != layer.name or msg.step != expected or tuple(msg.shape) != layer.shape:
+            raise RuntimeError(
+                f"rank {worker} sent {msg.kind} for {msg.layer!r} step {msg.step} shape {tuple(msg.shape)}; expected grad for {layer.name!r} step {expected} shape {layer.shape}"
+            )
+
+    def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
+        raise NotImplementedError
+
+    def _apply(self, layer: Layer, grad: torch.Tensor, step: int) -> None:
+        start = time.perf_counter()
+        lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
+        self.optimizer.step(layer.name, self.values[layer.index], grad, lr)
+        self.times["apply"] += time.perf_counter() - start
+
+    def _on_stop(self, worker: int) -> None:
+        self.active.discard(worker)
+        for key, handle in list(self.pending.items()):
+            if handle.peer == worker:
+                handle.cancel()
+                del self.pending[key]
+
+    def _on_stats(self, record: dict) -> None:
+        row = self.aggregator.add(record) if self.aggregator else None
+        if row is not None:
+            row["lr"] = learning_rate(self.cfg, row["step"], self.ctx.steps_per_epoch, self.num_workers)
+            row["server_decode"], row["server_apply"], row["server_idle"] = (
+                self.times["decode"],
+                self.times["apply"],
+                self.times["idle"],
+            )
+            row["server_cpu"] = time.process_time()  # this process's CPU seconds so far
+            self.rows.append(row)
+
+    def _on_buffers(self, worker: int, msg: Message) -> None:
+        if msg.kind != "buffers" or msg.numel != self.buffers_size:
+            raise RuntimeError(
+                f"rank {worker} sent {msg.kind} of {msg.numel} values, expected buffers of {self.buffers_size}"
+            )
+        entry = self._buffer_acc.setdefault(msg.step, [torch.zeros(self.buffers_size), 0])
+        self.exact_codec.decode_add(msg, entry[0], alpha=1.0 / self.num_workers)
+        entry[1] += 1
+        if entry[1] == self.num_workers:
+            del self._buffer_acc[msg.step]
+            self.eval_buffers[msg.step] = entry[0]
+
+    def has_completed(self, step: int) -> bool:
+        """Whether every layer this rank owns was updated with ``step``'s gradients."""
+        return not self.owned or self.completed_step >= step
+
+    def wait_for_evaluation(self, step: int, patience: Patience = SERVER_PATIENCE) -> torch.Tensor:
+        """On the metrics rank: serve until every worker's BatchNorm buffers of ``step`` and every
+        other server's values are in; return the averaged buffers."""
+        others = len(self.other_servers)
+        self.serve_until(lambda: step in self.eval_buffers and len(self.peer_values.get(step, {})) == others, patience)
+        return self.eval_buffers.pop(step)
+
+    def model_values(self, step: int | None = None) -> dict[int, torch.Tensor]:
+        """Flat values by layer index: this rank's own, and the other servers' sent for ``step``."""
+        flat_of = {layer.index: self.values[layer.index] for layer in self.owned}
+        for owner, flat in self.peer_values.pop(step, {}).items():
+            offset = 0
+            for layer in (layer for layer in self.layers if layer.owner == owner):
+                flat_of[layer.index] = flat[offset : offset + layer.numel]
+                offset += layer.numel
+        return flat_of
+
+    def take_rows(self) -> list[dict]:
+        rows, self.rows = self.rows, []
+        return rows
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"value/{i}": v for i, v in self.values.items()}
+        state.update({f"shadow/{i}/{w}": v for (i, w), v in self.shadow.items()})
+        state.update({f"optim/{k}": v for k, v in self.optimizer.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for key, tensor in state.items():
+            if key.startswith("value/"):
+                index = int(key.removeprefix("value/"))
+                if index not in self.values or self.values[index].numel() != tensor.numel():
+                    raise ValueError(
+                        f"checkpoint layer {index} does not fit this run's layer plan (written with another "
+                        "model, topology, --servers, --granularity or --bucket-vectors?)"
+                    )
+                self.values[index].copy_(tensor)
+            elif key.startswith("shadow/") and self.shadow:
+                index, worker = key.removeprefix("shadow/").split("/")
+                self.shadow[(int(index), int(worker))].copy_(tensor)
+        self.optimizer.load_state_dict(
+            {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
+        )
+
+
+class SyncServer(ServerBase):
+    """Every step: the average of all workers' gradients, one update, one reply to all.
+
+    The sum is taken in worker order whatever order the messages arrive in (float addition is not
+    associative): a message is decoded the moment every earlier worker's is in, and held until
+    then. So a run is bit-for-bit reproducible, and the same on separate or colocated servers.
+    """
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.owned}
+        self.count = {layer.index: 0 for layer in self.owned}  # workers summed in so far, in order
+        self.held: dict[int, dict[int, Message]] = {layer.index: {} for layer in self.owned}
+
+    def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
+        self._check_grad(worker, layer, msg, self.layer_step[layer.index])
+        held = self.held[layer.index]
+        held[worker] = msg
+        start = time.perf_counter()
+        while self.count[layer.index] < self.num_workers and self.workers[self.count[layer.index]] in held:
+            ready = held.pop(self.workers[self.count[layer.index]])
+            self._codec(ready).decode_add(ready, self.acc[layer.index], alpha=1.0 / self.num_workers)
+            self.count[layer.index] += 1
+        self.times["decode"] += time.perf_counter() - start
+        if self.count[layer.index] == self.num_workers:
+            self._apply(layer, self.acc[layer.index], msg.step)
+            self.acc[layer.index].zero_()
+            self.count[layer.index] = 0
+            self.layer_step[layer.index] += 1
+            self._reply(layer, self.workers)
+            if all(self.layer_step[i] > msg.step for i in self.layer_step):
+                self.completed_step = msg.step
+
+
+class AsyncServer(ServerBase):
+    """Each worker's gradient applied on arrival; a worker more than ``staleness`` steps ahead of
+    the slowest active one waits for its reply."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.worker_count = {w: 0 for w in self.workers}  # layers in for the worker's step
+        self.worker_step = {w: ctx.start for w in self.workers}
+        self.deferred: set[int] = set()
+
+    def shadow_keys(self) -> list[int]:
+        return list(self.workers)
+
+    def _shadow_of(self, layer: Layer, workers: list[int]) -> torch.Tensor:
+        return self.shadow[(layer.index, workers[0])]
+
+    def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
+        self._check_grad(worker, layer, msg, self.worker_step[worker])
+        start = time.perf_counter()
+        grad = torch.zeros(layer.numel)
+        self._codec(msg).decode_add(msg, grad, alpha=1.0 / self.num_workers)
+        self.times["decode"] += time.perf_counter() - start
+        self._apply(layer, grad, msg.step)
+        self.worker_count[worker] += 1
+        if self.worker_count[worker] == len(self.owned):
+            self.worker_count[worker] = 0
+            self.worker_step[worker] += 1
+            self.deferred.add(worker)
+            self._release()
+
+    def _release(self) -> None:
+        """Reply to every deferred worker that is at most ``staleness`` steps ahead of the slowest."""
+        slowest = min(self.worker_step[w] for w in self.active) if self.active else 0
+        for w in sorted(self.deferred):
+            if self.worker_step[w] - slowest <= self.cfg.staleness:
+                self.deferred.discard(w)
+                for layer in self.owned:
+                    self.layer_step[layer.index] = self.worker_step[w]
+                    self._reply(layer, [w])
+        self.completed_step = max(self.completed_step, min(self.worker_step.values()) - 1)
+
+    def _on_stop(self, worker: int) -> None:
+        super()._on_stop(worker)
+        self._release()
+
+
+SERVERS = {"sync": SyncServer, "async": AsyncServer}

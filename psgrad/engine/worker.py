@@ -1,0 +1,298 @@
+"""The working engine: backward hooks encode each gradient and push it at once; forward pre-hooks pull.
+
+Per step (docs/architecture.md has the picture):
+1. forward — a pre-hook on each module waits only for *its* parameters' replies from the last
+   step, so the pull of late layers overlaps the forward of early ones;
+2. post the receives for this step's replies (into per-layer buffers kept across steps);
+3. backward — a post-accumulate-grad hook per parameter runs feedback -> codec -> wire and
+   ``isend``s the bytes to the layer's server while autograd carries on with earlier layers;
+4. wait for the sends, report the step's timings and bytes to the metrics rank.
+
+With ``--push after`` step 3 has no hooks: after backward every layer is coded and sent in
+forward order (first layer first), and step 4 does not wait — the sends drain while the next
+forward's pre-hooks wait for the first replies.
+
+With a ``local`` server (colocated), layers this rank owns never touch the network: their
+gradients are handed to the server as messages and their replies taken from it, and every wait
+— and every hook — lets the server handle what arrived for it meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..codecs import Message, make_codec
+from ..comm import wire
+from ..comm.protocol import (
+    TAG_CONTROL,
+    GradientGate,
+    Layer,
+    StepStats,
+    buffers_vector,
+    control_message,
+    copy_flat_into,
+    encode_gradient,
+    layer_grad,
+    layer_tag,
+    load_buffers_vector,
+    tensor_message,
+)
+from ..comm.transport import Handle, Patience
+from ..context import RunContext
+from ..feedback import NoFeedback
+from .server import BUFFERS_LAYER, ServerBase
+
+
+class Worker:
+    """Trains ``ctx.model`` through the servers; see the module docstring."""
+
+    def __init__(self, ctx: RunContext, feedback: NoFeedback, local: ServerBase | None = None) -> None:
+        self.ctx, self.cfg, self.transport = ctx, ctx.cfg, ctx.transport
+        self.model, self.layers, self.device = ctx.model, ctx.layers, ctx.device
+        self.feedback, self.local = feedback, local
+        self.rank = ctx.rank
+        self.stream = ctx.layout.worker_index(self.rank)
+        self.metrics_rank = ctx.layout.server_ranks[0]
+        self.servers = ctx.layout.server_ranks
+        self.params = dict(self.model.named_parameters())
+        self.layer_of = {name: layer for layer in self.layers for name in layer.params}
+        self.down_codec = make_codec(self.cfg.down_codec)
+        self.exact_codec = make_codec("none")
+        # the first message of a layer is its exact value, later ones may be the down-codec's deltas
+        self.bounds = [
+            max(
+                wire.max_message_bytes(spec, layer.shape, layer.name)
+                for spec in ({self.cfg.down_codec, "none"} if layer.compress else {"none"})
+            )
+            for layer in self.layers
+        ]
+        self.buffers = [bytearray(b) for b in self.bounds]
+        self.pulls: dict[int, Handle | None] = {}  # None: the reply comes from the local server
+        self.pull_step = 0
+        self.sends: list[Handle] = []
+        self.sent: set[int] = set()
+        self.step = 0
+        self.gate = GradientGate(self.layers)
+        self.stats = StepStats()
+        self.doing = "starting"
+        self._hooks = []
+        if self.cfg.granularity == "layer" and self.cfg.push == "backward":
+            for name, param in self.params.items():
+                if param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
+        for prefix, module in self.model.named_modules():
+            own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+            if own:
+                indices = sorted({self.layer_of[n].index for n in own})
+                self._hooks.append(module.register_forward_pre_hook(self._pull_before(indices)))
+
+    def _is_local(self, rank: int) -> bool:
+        return self.local is not None and rank == self.rank
+
+    def serve(self) -> bool:
+        """Let the local server handle what arrived (the idle work of every wait); True if it did."""
+        if self.local is None:
+            return False
+        start = time.perf_counter()
+        worked = self.local.poll()
+        self.stats.serve += time.perf_counter() - start
+        return worked
+
+    def _idle(self):
+        return self.serve if self.local is not None else None
+
+    # ------------------------------------------------------------------ pull
+    def post_pulls(self, step: int) -> None:
+        """Post receives for the parameters the servers will send for ``step``."""
+        self.pull_step = step
+        for layer in self.layers:
+            if self._is_local(layer.owner):
+                self.pulls[layer.index] = None
+            else:
+                self.pulls[layer.index] = self.transport.irecv(
+                    self.bounds[layer.index],
+                    layer.owner,
+                    layer_tag(layer.index),
+                    layer.index,
+                    self.buffers[layer.index],
+                )
+
+    def _pull_before(self, indices: list[int]):
+        def hook(module, inputs):
+            self.serve()
+            for index in indices:
+                self.finish_pull(index)
+
+        return hook
+
+    def finish_pull(self, index: int) -> None:
+        if index not in self.pulls:
+            return
+        handle = self.pulls.pop(index)
+        layer = self.layers[index]
+        start = time.perf_counter()
+        if handle is None:
+            self.local.serve_until(lambda: index in self.local.local_replies, patience=Patience())
+            self.stats.pull_wait += time.perf_counter() - start
+            msg = self.local.local_replies.pop(index)
+            start = time.perf_counter()
+        else:
+            handle.wait(self._idle())
+            self.stats.pull_wait += time.perf_counter() - start
+            self.stats.bytes_down += handle.count
+            start = time.perf_counter()
+            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index])
+        self._apply_pull(layer, msg, start)
+
+    def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
+        if (
+            msg.kind not in ("params", "delta")
+            or msg.layer != layer.name
+            or msg.step != self.pull_step
+            or msg.sender != layer.owner
+        ):
+            raise RuntimeError(
+                f"expected params of {layer.name!r} for step {self.pull_step} from rank {layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} from rank {msg.sender}"
+            )
+        if msg.codec not in (self.down_codec.name, "none"):
+            raise RuntimeError(f"{layer.name!r} arrived encoded with {msg.codec!r}, expected {self.down_codec.name!r}")
+        codec = self.down_codec if msg.codec == self.down_codec.name else self.exact_codec
+        if msg.kind == "delta" and len(layer.params) == 1:
+            # the common case: decode straight into the parameter, no dense temporary
+            with torch.no_grad():
+                codec.decode_add(msg, self.params[layer.params[0]])
+            self.stats.decode += time.perf_counter() - start
+            return
+        values = codec.decode(msg, device=self.device).view(-1)
+        mid = time.perf_counter()
+        copy_flat_into(self.params, layer.params, values, add=msg.kind == "delta")
+        self.stats.decode += mid - start
+        self.stats.apply += time.perf_counter() - mid
+
+    def finish_pulls(self) -> None:
+        for index in list(self.pulls):
+            self.finish_pull(index)
+
+    # ------------------------------------------------------------------ push
+    def _grad_ready(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            layer = self.layer_of[name]
+            if self.gate.arrived(layer):
+                self.push(layer, layer_grad(self.params, layer))
+
+        return hook
+
+    def push(self, layer: Layer, grad: torch.Tensor) -> None:
+        """Encode ``grad`` of ``layer`` (feedback -> codec) and send it to its server."""
+        start = time.perf_counter()
+        msg = encode_gradient(self.feedback, layer, grad, self.step, self.rank, self.stream, self.cfg.seed)
+        self.sent.add(layer.index)
+        if self._is_local(layer.owner):
+            self.stats.encode += time.perf_counter() - start
+            serve_start = time.perf_counter()
+            self.local.on_local_grad(layer, msg)
+            self.stats.serve += time.perf_counter() - serve_start
+            return
+        data = wire.dumps(msg)
+        self.sends.append(self.transport.isend(data, layer.owner, layer_tag(layer.index)))
+        self.stats.bytes_up += len(data)
+        self.sends = self.transport.progress(self.sends)
+        self.stats.encode += time.perf_counter() - start
+        self.serve()
+
+    def push_missing(self) -> None:
+        """Layers whose hook did not fire (model granularity, ``--push after``, unused parameters) are
+        sent now, in forward order: the server can return the first layers first."""
+        for layer in self.layers:
+            if layer.index not in self.sent:
+                self.push(layer, layer_grad(self.params, layer))
+
+    # ------------------------------------------------------------------ step
+    def run_step(self, step: int) -> StepStats:
+        """Train on this worker's batch of ``step`` and report the step to the metrics rank."""
+        self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
+        images, labels = self.ctx.loader.batch(step)
+        stats = self.train_step(step, images, labels)
+        self.report(stats)
+        return stats
+
+    def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        self.step, self.sent, self.stats = step, set(), StepStats(step=step)
+        self.gate.reset()
+        start = time.perf_counter()
+        self.doing = f"step {step}: forward"
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        loss = self.ctx.loss_fn(self.model(images.to(self.device)), labels.to(self.device))
+        self.finish_pulls()
+        t_fwd = time.perf_counter()
+        self.post_pulls(step + 1)
+        self.doing = f"step {step}: backward"
+        loss.backward()
+        self.push_missing()
+        t_bwd = time.perf_counter()
+        self.doing = f"step {step}: waiting for sends"
+        if self.cfg.push == "after":
+            # the sends drain while the next forward waits for its first layers
+            self.sends = self.transport.progress(self.sends)
+        else:
+            self.transport.wait_all(self.sends, self._idle())
+            self.sends = []
+        end = time.perf_counter()
+        s = self.stats
+        s.loss = float(loss.detach())
+        s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
+        s.backward = (t_bwd - t_fwd) - s.encode
+        s.push_wait = end - t_bwd
+        s.step_time = end - start
+        # serving time is counted inside the phases it interrupted: take it out of them
+        s.backward = max(0.0, s.backward - s.serve)
+        return s
+
+    def _control(self, msg: Message, dest: int) -> None:
+        """Stats, BatchNorm buffers and stop share one tag: MPI keeps messages of one (source, tag)
+        in order, so ``stop`` can never overtake the last stats or buffers."""
+        if self._is_local(dest):
+            self.local.on_control(self.rank, msg)
+        else:
+            self.sends.append(self.transport.isend(wire.dumps(msg), dest, TAG_CONTROL))
+
+    def report(self, stats: StepStats) -> None:
+        """Send the step's numbers to the metrics rank (it writes metrics.csv, drives the progress bar)."""
+        meta = {k: v for k, v in asdict(stats).items() if k != "step"}
+        self._control(control_message("stats", self.rank, stats.step, **meta), self.metrics_rank)
+
+    def send_buffers(self, step: int) -> None:
+        """BatchNorm statistics to the metrics rank, which averages them over workers before evaluating."""
+        self._control(
+            tensor_message("buffers", BUFFERS_LAYER, step, self.rank, buffers_vector(self.model)), self.metrics_rank
+        )
+
+    def final_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
+
+    def state_dict(self) -> dict:
+        return {
+            "feedback": self.feedback.state_dict(),
+            "buffers": buffers_vector(self.model),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feedback.load_state_dict(state["feedback"])
+        load_buffers_vector(self.model, state["buffers"])
+        torch.set_rng_state(state["rng"])
+
+    def stop(self) -> None:
+        """Tell every server this worker is done, after the last step's parameters arrived."""
+        self.doing = "stopping"
+        self.finish_pulls()
+        for server in self.servers:
+            self._control(control_message("stop", self.rank, self.step), server)
+        self.transport.wait_all(self.sends, self._idle())
+        self.sends = []
+        for hook in self._hooks:
+            hook.remove()

@@ -1,0 +1,208 @@
+"""The run options every training command shares (train, server, worker, bench): one table,
+attached to click commands by ``run_options``, and the parsing of a bench row's own options."""
+
+from __future__ import annotations
+
+import click
+
+from .comm.protocol import TOPOLOGIES
+from .config import RunConfig
+from .models import MODELS
+
+_DEFAULTS = RunConfig()
+
+
+def _milestones(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated epochs like 60,120,160, got {value!r}") from None
+
+
+# (flag, RunConfig field, click type, help). One table serves train, server and worker.
+RUN_OPTIONS = [
+    ("--model", "model", click.Choice(sorted(MODELS)), "Model architecture."),
+    ("--depth", "depth", click.IntRange(min=10), "WideResNet depth (6n+4: 10, 16, 22, 28, 40)."),
+    ("--widen-factor", "widen_factor", click.IntRange(min=1), "WideResNet width multiplier k."),
+    ("--dropout", "dropout", click.FloatRange(0, 1, max_open=True), "WideResNet dropout between convolutions."),
+    (
+        "--dataset",
+        "dataset",
+        click.Choice(["synthetic", "cifar10", "cifar100"]),
+        "Training data; synthetic is generated from --seed.",
+    ),
+    (
+        "--data-dir",
+        "data_dir",
+        click.Path(file_okay=False),
+        "Directory with the CIFAR python archives (extracted or .tar.gz).",
+    ),
+    ("--synthetic-classes", "synthetic_classes", click.Choice(["10", "100"]), "Classes of the synthetic dataset."),
+    ("--synthetic-size", "synthetic_size", click.IntRange(min=1), "Training samples of the synthetic dataset."),
+    (
+        "--partition",
+        "partition",
+        click.Choice(["random", "contiguous"]),
+        "How the training set is split over workers (reshuffled each epoch).",
+    ),
+    ("--augment/--no-augment", "augment", None, "Random crop (4-pixel padding) and horizontal flip."),
+    ("--codec", "codec", str, "Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (see psgrad codecs)."),
+    (
+        "--down-codec",
+        "down_codec",
+        str,
+        "Server-to-worker codec: none sends each layer's new value; any other codec sends the encoded change "
+        "since what the workers hold, the server keeping the rest for later steps (error feedback).",
+    ),
+    (
+        "--feedback",
+        "feedback",
+        click.Choice(["none", "ef", "dgc"]),
+        "Worker-side memory around the codec: error feedback or DGC.",
+    ),
+    (
+        "--dgc-momentum",
+        "dgc_momentum",
+        click.FloatRange(0, 1, max_open=True),
+        "DGC: momentum kept on the workers (use --momentum 0).",
+    ),
+    (
+        "--dgc-clip-norm",
+        "dgc_clip_norm",
+        click.FloatRange(min=0, min_open=True),
+        "DGC: local gradient clipping norm (default: off).",
+    ),
+    (
+        "--dgc-warmup-epochs",
+        "dgc_warmup_epochs",
+        click.IntRange(min=0),
+        "DGC: epochs of exponential sparsity warm-up (needs a codec with ratio).",
+    ),
+    (
+        "--granularity",
+        "granularity",
+        click.Choice(["layer", "model"]),
+        "One message per parameter tensor, or the whole model as one.",
+    ),
+    (
+        "--push",
+        "push",
+        click.Choice(["backward", "after"]),
+        "layer granularity: send each layer from backward as soon as its gradient is ready, or code all "
+        "layers after backward and send them first layer first (the next forward starts on the first "
+        "replies while the rest are in flight).",
+    ),
+    (
+        "--bucket-vectors/--no-bucket-vectors",
+        "bucket_vectors",
+        None,
+        "layer granularity: send all 1-D parameters (biases, norm scales and shifts) as one uncompressed "
+        "message per step, or each as its own compressed layer.",
+    ),
+    ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
+    ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
+    ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),
+    ("--nesterov/--no-nesterov", "nesterov", None, "Nesterov momentum."),
+    ("--weight-decay", "weight_decay", click.FloatRange(min=0), "L2 weight decay."),
+    ("--schedule", "schedule", click.Choice(["constant", "multistep", "cosine"]), "Learning-rate schedule."),
+    ("--lr-milestones", "lr_milestones", None, "multistep: epochs at which the LR is multiplied by --lr-decay."),
+    (
+        "--lr-decay",
+        "lr_decay",
+        click.FloatRange(min=0, min_open=True),
+        "multistep: factor per milestone (WRN paper: 0.2).",
+    ),
+    ("--warmup-epochs", "warmup_epochs", click.FloatRange(min=0), "Linear LR warm-up length in epochs."),
+    ("--scale-lr/--no-scale-lr", "scale_lr", None, "Multiply the LR by the number of workers."),
+    ("--batch-size", "batch_size", click.IntRange(min=1), "Batch size per worker."),
+    ("--steps", "steps", click.IntRange(min=1), "Training steps (overrides --epochs)."),
+    ("--epochs", "epochs", click.FloatRange(min=0, min_open=True), "Training epochs (of each worker's shard)."),
+    ("--servers", "servers", click.IntRange(min=1), "Server ranks (0..S-1); layers are sharded over them by size."),
+    (
+        "--mode",
+        "mode",
+        click.Choice(["sync", "async"]),
+        "sync: average all workers per step; async: apply each worker's gradient on arrival.",
+    ),
+    ("--staleness", "staleness", click.IntRange(min=0), "async: how many steps a worker may run ahead of the slowest."),
+    (
+        "--topology",
+        "topology",
+        click.Choice(list(TOPOLOGIES)),
+        "ps: server ranks and worker ranks; colocated: every rank works and serves a shard of the layers "
+        "(no extra server rank); alltoall: no server, every rank exchanges with every other.",
+    ),
+    (
+        "--device",
+        "device",
+        click.Choice(["auto", "cpu", "cuda"]),
+        "Worker device; cuda uses the GPU of the node-local rank.",
+    ),
+    ("--threads", "threads", click.IntRange(min=1), "torch threads per rank."),
+    ("--seed", "seed", int, "Seed of the model, data order, augmentation and codec randomness."),
+    (
+        "--log-dir",
+        "log_dir",
+        click.Path(file_okay=False),
+        "Write config.json, metrics.csv, eval.csv (and checkpoints) here.",
+    ),
+    (
+        "--eval-every",
+        "eval_every",
+        click.IntRange(min=0),
+        "Evaluate on the test set every N epochs (0: only at the end).",
+    ),
+    ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
+    ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),
+    ("--checkpoint-every", "checkpoint_every", click.IntRange(min=0), "Write a checkpoint every N steps (0: never)."),
+    (
+        "--resume",
+        "resume",
+        click.Path(exists=True, file_okay=False),
+        "Continue from a checkpoint directory (LOG_DIR/ckpt-stepN).",
+    ),
+]
+
+
+def run_options(fn):
+    """Attach every RUN_OPTIONS entry to a click command."""
+    for flag, field_name, kind, text in reversed(RUN_OPTIONS):
+        default = getattr(_DEFAULTS, field_name)
+        kwargs: dict = {"help": text, "default": default}
+        if field_name == "lr_milestones":
+            kwargs.update(default=",".join(map(str, default)), callback=_milestones)
+        elif field_name == "synthetic_classes":
+            kwargs.update(type=kind, default=str(default))
+        elif kind is not None:
+            kwargs["type"] = kind
+        fn = click.option(flag, field_name, **kwargs)(fn)
+    return fn
+
+
+def config_from(options: dict) -> RunConfig:
+    options = dict(options)
+    options["synthetic_classes"] = int(options["synthetic_classes"])
+    try:
+        return RunConfig(**options).validate()
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+
+
+@click.command()
+@run_options
+def _row_options(**options) -> None:
+    """Parses the train options of one bench row."""
+
+
+def option_overrides(args: list[str]) -> dict:
+    """The RunConfig fields that train options ``args`` set (only those given), validated by click."""
+    from click.core import ParameterSource
+
+    try:
+        ctx = _row_options.make_context("psgrad bench item", list(args))
+    except click.ClickException as err:
+        raise ValueError(f"{' '.join(args)!r}: {err.format_message()}") from None
+    given = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if "synthetic_classes" in given:
+        given["synthetic_classes"] = int(given["synthetic_classes"])
+    return given

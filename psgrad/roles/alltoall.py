@@ -1,0 +1,213 @@
+"""Alltoall topology: no server; every rank exchanges every layer's encoded gradient with all.
+
+Per layer, in a fixed order shared by all ranks (non-blocking collectives must start in the same
+order everywhere, so the sizes and the bytes go on two duplicated communicators):
+1. the backward hook encodes the gradient (feedback -> codec -> wire);
+2. Iallgather of the message sizes, then Iallgatherv of the bytes (every rank's block is the same
+   for all receivers, so the all-gather form of the design's alltoall avoids P copies);
+3. every rank decodes all P messages into the layer's accumulator (weight 1/P);
+4. after backward, each rank applies the same optimizer update to the same bytes, so parameters
+   stay identical on all ranks.
+Rank 0's metrics row is the step's statistics summed over ranks (one small allreduce).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import astuple, dataclass, fields
+
+import numpy as np
+import torch
+
+from ..codecs import make_codec
+from ..comm import wire
+from ..comm.protocol import (
+    TIME_KEYS,
+    GradientGate,
+    Layer,
+    StepStats,
+    buffers_vector,
+    copy_flat_into,
+    encode_gradient,
+    layer_grad,
+    load_buffers_vector,
+)
+from ..comm.transport import Handle
+from ..context import Role, RunContext
+from ..optim import LayerOptimizer, learning_rate
+
+
+@dataclass
+class _Exchange:
+    """One layer's two collectives: its sizes, then its bytes."""
+
+    index: int
+    sizes_handle: Handle
+    sizes: np.ndarray
+    bytes_handle: Handle | None = None
+    data: bytearray | None = None
+    offsets: np.ndarray | None = None
+
+
+class PeerRole(Role):
+    name = "peer"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.model, self.layers, self.cfg = ctx.model, ctx.layers, ctx.cfg
+        self.feedback = ctx.make_feedback()
+        self.world = ctx.transport
+        self.sizes_comm = ctx.transport.dup()
+        self.bytes_comm = ctx.transport.dup()
+        self.rank, self.size = ctx.rank, ctx.transport.size
+        self.params_by_name = dict(self.model.named_parameters())
+        self.layer_of = {name: layer for layer in self.layers for name in layer.params}
+        self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
+        self.optimizer = LayerOptimizer.from_config(self.cfg)
+        self.doing = "starting"
+        self.step_index = 0
+        self.gate = GradientGate(self.layers)
+        self.first = self.last = time.perf_counter()
+        self._hooks = []
+        if self.cfg.granularity == "layer":
+            for name, param in self.params_by_name.items():
+                if param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
+
+    def _grad_ready(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            layer = self.layer_of[name]
+            if self.gate.arrived(layer):
+                self._encode(layer, layer_grad(self.params_by_name, layer))
+                self._pump()
+
+        return hook
+
+    def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        msg = encode_gradient(self.feedback, layer, grad, self.step_index, self.rank, self.rank, self.cfg.seed)
+        self.ready[layer.index] = wire.dumps(msg)
+        self.stats.encode += time.perf_counter() - start
+        self.stats.bytes_up += len(self.ready[layer.index]) * (self.size - 1)
+
+    def _pump(self, block: bool = False) -> None:
+        """Start the collectives of ready layers in order and finish the ones that completed."""
+        while self.next < len(self.order) and self.order[self.next] in self.ready:
+            index = self.order[self.next]
+            handle, sizes = self.sizes_comm.iallgather_sizes(len(self.ready[index]))
+            self.inflight.append(_Exchange(index, handle, sizes))
+            self.next += 1
+        for entry in self.inflight:
+            if entry.bytes_handle is None:
+                if not (entry.sizes_handle.wait() if block else entry.sizes_handle.test()):
+                    break  # bytes collectives must start in layer order on every rank
+                entry.bytes_handle, entry.data, entry.offsets = self.bytes_comm.iallgatherv_bytes(
+                    self.ready[entry.index], entry.sizes
+                )
+            if block:
+                entry.bytes_handle.wait()
+            if entry.bytes_handle.done or entry.bytes_handle.test():
+                self._decode(self.layers[entry.index], entry)
+        self.inflight = [e for e in self.inflight if e.bytes_handle is None or not e.bytes_handle.done]
+
+    def _decode(self, layer: Layer, entry: _Exchange) -> None:
+        start = time.perf_counter()
+        view = memoryview(entry.data)
+        acc = self.acc[layer.index]
+        for peer in range(self.size):
+            begin, size = int(entry.offsets[peer]), int(entry.sizes[peer])
+            msg = wire.loads(view[begin : begin + size])
+            if msg.kind != "grad" or msg.layer != layer.name or msg.step != self.step_index or msg.sender != peer:
+                raise RuntimeError(
+                    f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step_index}"
+                )
+            make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
+        self.stats.decode += time.perf_counter() - start
+        self.stats.bytes_down += int(entry.sizes.sum()) - len(self.ready[layer.index])
+
+    def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        self.step_index, self.stats = step, StepStats(step=step)
+        self.gate.reset()
+        self.ready: dict[int, bytes] = {}
+        self.inflight: list[_Exchange] = []
+        self.next = 0
+        self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.layers}
+        start = time.perf_counter()
+        self.doing = f"step {step}: forward"
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        loss = self.ctx.loss_fn(self.model(images), labels)
+        t_fwd = time.perf_counter()
+        self.doing = f"step {step}: backward"
+        loss.backward()
+        for layer in self.layers:
+            if layer.index not in self.ready:
+                self._encode(layer, layer_grad(self.params_by_name, layer))
+        t_bwd = time.perf_counter()
+        self.doing = f"step {step}: exchanging gradients"
+        while self.next < len(self.order) or self.inflight:
+            self._pump(block=True)
+        t_wait = time.perf_counter()
+        lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
+        with torch.no_grad():
+            for layer in self.layers:
+                values = torch.cat([self.params_by_name[n].detach().reshape(-1) for n in layer.params])
+                self.optimizer.step(layer.name, values, self.acc[layer.index], lr)
+                copy_flat_into(self.params_by_name, layer.params, values)
+        end = time.perf_counter()
+        s = self.stats
+        s.loss = float(loss.detach())
+        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode
+        s.push_wait, s.apply, s.step_time = t_wait - t_bwd - s.decode, end - t_wait, end - start
+        return s
+
+    # ------------------------------------------------------------------ the Role interface
+    def step(self, step: int) -> list[dict]:
+        self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
+        images, labels = self.ctx.loader.batch(step)
+        stats = self.train_step(step, images, labels)
+        names = [f.name for f in fields(StepStats)]
+        sums = dict(zip(names, self.world.allreduce_sum(astuple(stats)), strict=True))
+        now = time.perf_counter()
+        row = {
+            "step": step,
+            "loss": sums["loss"] / self.size,
+            "bytes_up": int(sums["bytes_up"]),
+            "bytes_down": int(sums["bytes_down"]),
+            "it_per_s": 1 / max(1e-9, now - self.last),
+            "wall": now - self.first,
+            "lr": learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size),
+            "step_time": sums["step_time"] / self.size,
+            **{k: sums[k] / self.size for k in TIME_KEYS},
+        }
+        self.last = now
+        return [row] if self.rank == 0 else []
+
+    def evaluate(self, step: int) -> dict | None:
+        """BatchNorm statistics averaged over ranks, then rank 0 evaluates."""
+        flat = buffers_vector(self.model)
+        if flat.numel():
+            total = self.world.allreduce_sum(flat.double().numpy())
+            load_buffers_vector(self.model, torch.from_numpy(total).float() / self.size)
+        return self.ctx.evaluate(self.model, step) if self.rank == 0 else None
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params_by_name.items()}
+
+    def state_dict(self) -> dict:
+        return {
+            "feedback": self.feedback.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "params": {n: p.detach().clone() for n, p in self.params_by_name.items()},
+            "buffers": buffers_vector(self.model),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feedback.load_state_dict(state["feedback"])
+        self.optimizer.load_state_dict(state["optim"])
+        with torch.no_grad():
+            for name, value in state["params"].items():
+                self.params_by_name[name].copy_(value)
+        load_buffers_vector(self.model, state["buffers"])
+        torch.set_rng_state(state["rng"])

@@ -1,0 +1,107 @@
+"""The parameter-server topology: ranks 0..S-1 serve, the others work (``--topology ps``).
+
+A server rank's step is "serve until every layer it owns took step t's gradients"; server 0
+also collects the workers' step statistics (the metrics rows) and evaluates. A worker rank's step
+is one batch through the servers (engine.worker).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.protocol import copy_flat_into, load_buffers_vector
+from ..context import Role, RunContext
+from ..engine.server import SERVERS
+from ..engine.worker import Worker
+
+
+class ServerRole(Role):
+    name = "server"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.server = SERVERS[ctx.cfg.mode](ctx)
+        self.model_params = dict(ctx.model.named_parameters())
+
+    @property
+    def doing(self) -> str:
+        return self.server.doing
+
+    def start(self) -> None:
+        self.server.start()
+
+    def step(self, step: int) -> list[dict]:
+        self.server.serve_until(lambda: self.server.has_completed(step))
+        return self.server.take_rows()
+
+    def _load_model(self, step: int | None = None) -> None:
+        """Server 0's model: its own layers' values and, at an evaluation, the other servers'."""
+        for index, flat in self.server.model_values(step).items():
+            copy_flat_into(self.model_params, self.ctx.layers[index].params, flat)
+
+    def evaluate(self, step: int) -> dict | None:
+        if self.ctx.rank != 0:
+            self.server.send_values(step)
+            return None
+        buffers = self.server.wait_for_evaluation(step)
+        self.server.doing = f"evaluating after step {step}"
+        self._load_model(step)
+        load_buffers_vector(self.ctx.model, buffers)
+        return self.ctx.evaluate(self.ctx.model, step)
+
+    def finish(self) -> list[dict]:
+        self.server.finish()
+        return self.server.take_rows()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        if self.ctx.rank != 0:
+            return {}
+        self._load_model()
+        return {n: p.detach().clone() for n, p in self.model_params.items()}
+
+    def state_dict(self) -> dict:
+        return {"server": self.server.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server.load_state_dict(state["server"])
+
+
+class WorkerRole(Role):
+    name = "worker"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.worker = Worker(ctx, ctx.make_feedback())
+
+    @property
+    def doing(self) -> str:
+        return self.worker.doing
+
+    def start(self) -> None:
+        self.worker.post_pulls(self.ctx.start)
+
+    def step(self, step: int) -> list[dict]:
+        self.worker.run_step(step)
+        return []
+
+    def evaluate(self, step: int) -> dict | None:
+        self.worker.send_buffers(step)
+        return None
+
+    def finish(self) -> list[dict]:
+        self.worker.stop()
+        return []
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.worker.final_params()
+
+    def state_dict(self) -> dict:
+        return self.worker.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker.load_state_dict(state)
+
+
+def ps_role(ctx: RunContext) -> Role:
+    """Server ranks serve, the others work."""
+    return ServerRole(ctx) if ctx.layout.is_server(ctx.rank) else WorkerRole(ctx)
