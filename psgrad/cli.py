@@ -275,6 +275,10 @@ def bench(
         )
     except (bench_module.BenchError, ShapeError) as err:
         raise click.ClickException(str(err)) from None
-    rows = bench_module.summarize(results, cfg.servers, workers, parse_rate(bandwidth) if bandwidth else None)
+    topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
+    rate = parse_rate(bandwidth) if bandwidth else None
+    rows = bench_module.summarize(results, cfg.servers, workers, rate, topologies)
     where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
-    bench_module.report(rows, header + f"{cfg.servers} server + {workers} workers, {where}", json_path, plot_path)
+    bench_module.report(
+        rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", json_path, plot_path
+    )

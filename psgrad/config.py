@@ -36,6 +36,7 @@ class RunConfig:
     granularity: str = "layer"
     push: str = "backward"
     bucket_vectors: bool = True
+    serve_thread: bool = False
     # optimisation
     optimizer: str = "sgd"
     lr: float = 0.1
@@ -93,6 +94,10 @@ class RunConfig:
         need(
             self.push == "backward" or LAYOUTS.get(self.topology) != "peers",
             f"--push after needs servers (--topology ps or colocated): {self.topology} exchanges every layer before any update",
+        )
+        need(
+            not self.serve_thread or LAYOUTS.get(self.topology) == "colocated",
+            "--serve-thread is for --topology colocated (a server rank of ps serves all the time anyway)",
         )
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(

@@ -99,6 +99,13 @@ RUN_OPTIONS = [
         "layer granularity: send all 1-D parameters (biases, norm scales and shifts) as one uncompressed "
         "message per step, or each as its own compressed layer.",
     ),
+    (
+        "--serve-thread/--no-serve-thread",
+        "serve_thread",
+        None,
+        "colocated: also serve this rank's shard from a helper thread, not only between the worker's hooks "
+        "and inside its waits (measured slower on 2 cores, docs/benchmarks.md).",
+    ),
     ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
     ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
     ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),

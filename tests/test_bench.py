@@ -135,3 +135,13 @@ def test_summarize_pairs_rounds_so_drift_cancels():
     rows = {r.codec: r for r in summarize(results)}
     assert rows["topk"].speedup == 3.0  # the ratio of the medians would say 3 / 2 = 1.5
     assert rows["topk"].of_ideal == 0.75  # per round 0.75, 0.25, 0.75; the medians: 3 / 8
+
+
+def test_busiest_link_per_topology():
+    from psgrad.bench.launcher import busiest_link
+
+    m = {"bytes_up": 8e6, "bytes_down": 6e6}  # a step's bytes over all ranks
+    assert busiest_link(m, "ps", False, servers=2, workers=4) == 4e6  # a server's ingress
+    assert busiest_link(m, "colocated", False, servers=1, workers=4) == 3.5e6  # each rank sends its share
+    assert busiest_link(m, "alltoall", False, servers=1, workers=4) == 2e6
+    assert busiest_link(m, "ps", True, servers=1, workers=4) == 2e6  # a DDP worker's own share

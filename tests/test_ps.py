@@ -28,6 +28,7 @@ def _ok(proc, marker):
         ["--colocated"],
         ["--colocated", "--push-after", "--delta-down"],
         ["--colocated", "--model-granularity"],
+        ["--colocated", "--serve-thread", "--delta-down"],
         ["--sign-one-step"],
         ["--sign-one-step", "--no-bucket-vectors"],
     ],
@@ -42,6 +43,7 @@ def _ok(proc, marker):
         "colocated",
         "colocated-push-after-delta",
         "colocated-model-granularity",
+        "colocated-serve-thread",
         "vectors-exact",
         "vectors-coded",
     ],
@@ -87,6 +89,14 @@ def test_async_alltoall_and_colocated_converge():
         {"topology": "colocated", "mode": "async", "staleness": 1, "codec": "qsgd"},
         {"topology": "colocated", "codec": "topk:ratio=0.05", "feedback": "dgc", "momentum": 0.0, "push": "after"},
         {"topology": "colocated", "granularity": "model", "codec": "fp16", "down_codec": "fp16"},
+        {
+            "topology": "colocated",
+            "mode": "async",
+            "codec": "sign",
+            "feedback": "ef",
+            "serve_thread": True,
+            "lr": 0.005,
+        },
     ]
     _ok(run_script("converge.py", *[json.dumps(c) for c in configs], timeout=300), "CONVERGE OK")
 

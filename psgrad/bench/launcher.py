@@ -20,9 +20,8 @@ The figures, either way:
    (or compute-only) run, so a machine that is slower in one round slows both sides of the ratio.
 4. Server CPU is the CPU seconds the server-0 process used per second of wall time (1.0 = one core).
 5. With the compute-only baseline, ideal it/s = 1 / max(compute step time, link bytes / bandwidth),
-   where the link is the busiest one: the server's (the larger of all workers' up or all down
-   bytes, over the servers) for a codec, one worker's own share for DDP. Unshaped runs have no
-   bandwidth figure and their ideal is the compute-only it/s.
+   where the link is the busiest one (``busiest_link``). Unshaped runs have no bandwidth figure
+   and their ideal is the compute-only it/s.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..comm.protocol import TIME_KEYS, RankLayout
+from ..comm.protocol import LAYOUTS, TIME_KEYS, RankLayout
 from ..config import RunConfig
 from ..options import option_overrides
 from .baselines import BASELINES
@@ -269,10 +268,31 @@ def _child(job_path: str) -> None:
 
 
 # ---------------------------------------------------------------------- the table
+def busiest_link(m: dict, topology: str, baseline: bool, servers: int, workers: int) -> float:
+    """Bytes per step on the busiest link (one direction of a full-duplex NIC).
+
+    DDP: a worker's own share. ps: a server's, the larger of what all workers send it and what it
+    sends back. colocated: every byte leaves one rank and enters another, and the ranks are alike,
+    so a rank's egress is the step's total over the ranks. alltoall: a rank's own upload.
+    """
+    if baseline or LAYOUTS[topology] == "peers":
+        return m["bytes_up"] / workers
+    if LAYOUTS[topology] == "colocated":
+        return (m["bytes_up"] + m["bytes_down"]) / workers
+    return max(m["bytes_up"], m["bytes_down"]) / servers
+
+
 def summarize(
-    results: dict[str, list[dict]], servers: int = 1, workers: int = 2, bandwidth_bits: int | None = None
+    results: dict[str, list[dict]],
+    servers: int = 1,
+    workers: int = 2,
+    bandwidth_bits: int | None = None,
+    topologies: dict[str, str] | None = None,
 ) -> list[BenchRow]:
-    """One row per item: medians over rounds, speed-up and ratio vs none, ideal vs compute-only."""
+    """One row per item: medians over rounds, speed-up and ratio vs none, ideal vs compute-only.
+
+    ``topologies`` names each codec row's topology (default ps) for its busiest link.
+    """
 
     def median(item: str) -> dict:
         ms = results[item]
@@ -296,10 +316,7 @@ def summarize(
         per_step = med["bytes_up"] + med["bytes_down"]
         ideal = of_ideal = NAN
         if t_compute is not None:
-            if item.split()[0] in BASELINES:
-                link = med["bytes_up"] / workers
-            else:
-                link = max(med["bytes_up"], med["bytes_down"]) / servers
+            link = busiest_link(med, (topologies or {}).get(item, "ps"), item.split()[0] in BASELINES, servers, workers)
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
             ideal = 1.0 / max(t_compute, t_net)
             of_ideal = paired(item, "compute", t_net)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,7 +135,8 @@ class Transport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.idle_seconds = 0.0
-        self._statuses: list[MPI.Status] = []
+        # per thread: a colocated rank's serving thread polls beside its worker (--serve-thread)
+        self._scratch = threading.local()
 
     def dup(self) -> Transport:
         """A transport on a duplicate of this communicator (its own matching space for collectives)."""
@@ -166,9 +168,10 @@ class Transport:
         """Indices of the handles that completed now (each is reported once)."""
         if not handles:
             return []
-        while len(self._statuses) < len(handles):
-            self._statuses.append(MPI.Status())
-        statuses = self._statuses[: len(handles)]  # reused: a poll allocates no Status objects
+        pool = self._scratch.__dict__.setdefault("statuses", [])
+        while len(pool) < len(handles):
+            pool.append(MPI.Status())
+        statuses = pool[: len(handles)]  # reused: a poll allocates no Status objects
         done = MPI.Request.Testsome([h._request for h in handles], statuses)
         if not done:
             return []

@@ -27,8 +27,10 @@ the metrics rank at an evaluation step (``send_values``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -44,7 +46,7 @@ from ..comm.protocol import (
     tensor_message,
     upload_bound,
 )
-from ..comm.transport import SERVER_PATIENCE, Handle, Patience
+from ..comm.transport import SERVER_PATIENCE, Backoff, Handle, Patience
 from ..context import RunContext
 from ..metrics import StepAggregator
 from ..optim import LayerOptimizer, learning_rate
@@ -105,6 +107,9 @@ class ServerBase:
         self.eval_buffers: dict[int, torch.Tensor] = {}
         self.peer_values: dict[int, dict[int, torch.Tensor]] = {}
         self._buffer_acc: dict[int, list] = {}
+        # held by whoever drives this server: the rank's own worker, or the helper thread of
+        # --serve-thread (a no-op lock where nothing else runs)
+        self.lock: AbstractContextManager = nullcontext()
 
     def shadow_keys(self) -> list[int]:
         return [-1]
@@ -426,3 +431,46 @@ class AsyncServer(ServerBase):
 
 
 SERVERS = {"sync": SyncServer, "async": AsyncServer}
+
+
+class ServingThread:
+    """Serves ``server`` from a helper thread (``--serve-thread``, colocated ranks).
+
+    1. ``start`` gives the server a real lock; every other caller (the rank's worker) takes it too.
+    2. The thread polls under the lock; when nothing arrived it sleeps with the worker's back-off
+       outside the lock, so the worker gets in between.
+    3. ``stop`` ends the loop and joins; an exception in the thread is kept and raised there.
+    """
+
+    def __init__(self, server: ServerBase) -> None:
+        self.server = server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="psgrad-serve", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.server.lock = threading.Lock()
+        self._thread.start()
+
+    def _loop(self) -> None:
+        backoff = Backoff(Patience(spins=0))
+        try:
+            while not self._stop.is_set():
+                with self.server.lock:
+                    worked = self.server.poll()
+                if worked:
+                    backoff.reset()
+                else:
+                    backoff.idle()
+        except BaseException as err:  # raised in the main thread by stop() or check()
+            self.error = err
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"serving thread failed: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.server.lock = nullcontext()
+        self.check()

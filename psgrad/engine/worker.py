@@ -97,7 +97,8 @@ class Worker:
         if self.local is None:
             return False
         start = time.perf_counter()
-        worked = self.local.poll()
+        with self.local.lock:
+            worked = self.local.poll()
         self.stats.serve += time.perf_counter() - start
         return worked
 
@@ -135,9 +136,10 @@ class Worker:
         layer = self.layers[index]
         start = time.perf_counter()
         if handle is None:
-            self.local.serve_until(lambda: index in self.local.local_replies, patience=Patience())
+            with self.local.lock:
+                self.local.serve_until(lambda: index in self.local.local_replies, patience=Patience())
+                msg = self.local.local_replies.pop(index)
             self.stats.pull_wait += time.perf_counter() - start
-            msg = self.local.local_replies.pop(index)
             start = time.perf_counter()
         else:
             handle.wait(self._idle())
@@ -193,7 +195,8 @@ class Worker:
         if self._is_local(layer.owner):
             self.stats.encode += time.perf_counter() - start
             serve_start = time.perf_counter()
-            self.local.on_local_grad(layer, msg)
+            with self.local.lock:
+                self.local.on_local_grad(layer, msg)
             self.stats.serve += time.perf_counter() - serve_start
             return
         data = wire.dumps(msg)
@@ -256,7 +259,8 @@ class Worker:
         """Stats, BatchNorm buffers and stop share one tag: MPI keeps messages of one (source, tag)
         in order, so ``stop`` can never overtake the last stats or buffers."""
         if self._is_local(dest):
-            self.local.on_control(self.rank, msg)
+            with self.local.lock:
+                self.local.on_control(self.rank, msg)
         else:
             self.sends.append(self.transport.isend(wire.dumps(msg), dest, TAG_CONTROL))
 

@@ -6,7 +6,8 @@ about 1/N of the layers (balanced by coded bytes). Per step on each rank:
 2. gradients of layers this rank owns are handed to its own server part as messages, without
    bytes or MPI, and their replies taken from it the same way;
 3. the server part decodes, sums, updates and replies whenever the worker part gives it a chance:
-   in every backward hook, every forward pre-hook, and every wait (the waits' idle work);
+   in every backward hook, every forward pre-hook, and every wait (the waits' idle work); with
+   ``--serve-thread`` a helper thread polls it as well (one lock keeps the two apart);
 4. ``finish`` keeps serving after this rank's last step until every other rank stopped.
 Rank 0 also collects the metrics rows and, as server 0 of the ps topology does, evaluates the
 servers' values (its own shard's and the others', sent at the evaluation step) with the workers'
@@ -23,7 +24,7 @@ from torch import nn
 from ..comm.protocol import copy_flat_into, load_buffers_vector
 from ..comm.transport import Patience
 from ..context import Role, RunContext
-from ..engine.server import SERVERS
+from ..engine.server import SERVERS, ServingThread
 from ..engine.worker import Worker
 
 
@@ -34,6 +35,7 @@ class ColocatedRole(Role):
         super().__init__(ctx)
         self.server = SERVERS[ctx.cfg.mode](ctx)
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server)
+        self.thread = ServingThread(self.server) if ctx.cfg.serve_thread else None
         self.last_step = ctx.start - 1
         self.eval_model: nn.Module | None = None  # rank 0: a model to evaluate the servers' values in
 
@@ -44,32 +46,48 @@ class ColocatedRole(Role):
     def start(self) -> None:
         self.server.start()
         self.worker.post_pulls(self.ctx.start)
+        if self.thread:
+            self.thread.start()
 
     def step(self, step: int) -> list[dict]:
         self.worker.run_step(step)
         self.worker.serve()
         self.last_step = step
-        return self.server.take_rows()
+        if self.thread:
+            self.thread.check()
+        with self.server.lock:
+            return self.server.take_rows()
+
+    def _serve_until_done(self, step: int) -> None:
+        with self.server.lock:
+            self.server.serve_until(lambda: self.server.has_completed(step), Patience())
 
     def evaluate(self, step: int) -> dict | None:
         """Like separate servers: the servers' values after ``step`` (not a worker's copy, which a
         lossy --down-codec makes lag), with the workers' averaged BatchNorm statistics, on rank 0."""
         self.worker.send_buffers(step)
-        self.server.serve_until(lambda: self.server.has_completed(step), Patience())
-        if self.ctx.rank != 0:
-            self.server.send_values(step)
-            return None
-        buffers = self.server.wait_for_evaluation(step, Patience())
+        self._serve_until_done(step)
+        with self.server.lock:
+            if self.ctx.rank != 0:
+                self.server.send_values(step)
+                return None
+            buffers = self.server.wait_for_evaluation(step, Patience())
+            values = self.server.model_values(step)
         if self.eval_model is None:
+            # a copy, not a new model: building one would draw from the RNG the run trains with
             self.eval_model = copy.deepcopy(self.ctx.model).cpu()
+            for module in self.eval_model.modules():
+                module._forward_pre_hooks.clear()  # the worker's pull hooks came along with the copy
         params = dict(self.eval_model.named_parameters())
-        for index, flat in self.server.model_values(step).items():
+        for index, flat in values.items():
             copy_flat_into(params, self.ctx.layers[index].params, flat)
         load_buffers_vector(self.eval_model, buffers)
         return self.ctx.evaluate(self.eval_model, step)
 
     def finish(self) -> list[dict]:
         self.worker.stop()
+        if self.thread:
+            self.thread.stop()
         self.server.finish()
         return self.server.take_rows()
 
@@ -78,8 +96,9 @@ class ColocatedRole(Role):
 
     def state_dict(self) -> dict:
         # the server part must hold exactly the update of the last step, as a separate server would
-        self.server.serve_until(lambda: self.server.has_completed(self.last_step), Patience())
-        return {**self.worker.state_dict(), "server": self.server.state_dict()}
+        self._serve_until_done(self.last_step)
+        with self.server.lock:
+            return {**self.worker.state_dict(), "server": self.server.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.worker.load_state_dict(state)

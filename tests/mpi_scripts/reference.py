@@ -50,6 +50,7 @@ cfg = RunConfig(
     down_codec=down,
     bucket_vectors=bucket,
     topology="alltoall" if alltoall else "colocated" if colocated else "ps",
+    serve_thread="--serve-thread" in sys.argv,
 )
 result = run(cfg)
 if world_rank() == 0:
