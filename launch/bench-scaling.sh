@@ -2,8 +2,10 @@
 # When to leave the single server: step time against the number of workers on slow links, one
 # server rank against colocated servers, dense and compressed (docs/benchmarks.md, "Scaling").
 # Usage: sudo bash launch/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS]
-#   defaults: bench-scaling 10mbit "2 4 8" 8 — shaped links need root; a small model (mlp) keeps
-#   the run link-bound, since N ranks share this machine's cores.
+#   defaults: bench-scaling 10mbit "2 4 8" 8 — shaped links need root. ResNet-20 at batch 8: a small
+#   model keeps the run link-bound (N ranks share this machine's cores), and its 21 layers of
+#   similar size spread over the serving ranks (a model with one dominant layer, like mlp, puts
+#   every byte on that layer's owner whatever the topology).
 set -euo pipefail
 out=${1:-bench-scaling}
 bandwidth=${2:-10mbit}
@@ -16,10 +18,10 @@ mkdir -p "$out"
 codecs="none;none --topology colocated"
 codecs+=";sign --feedback ef --down-codec sign;sign --feedback ef --down-codec sign --topology colocated"
 for n in $workers; do
-  "$psgrad" bench --model mlp --batch-size 32 --steps "$steps" --warmup 2 --workers "$n" \
-    --bandwidth "$bandwidth" --codecs "$codecs" --json "$out/workers-$n.json" | tee "$out/workers-$n.txt"
+  "$psgrad" bench --model resnet20 --batch-size 8 --steps "$steps" --warmup 2 --workers "$n" \
+    --bandwidth "$bandwidth" --codecs "$codecs" --baselines compute --json "$out/workers-$n.json" | tee "$out/workers-$n.txt"
 done
-"$python" - "$out" $workers <<'PY'
+"$python" - "$out" "$bandwidth" $workers <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -28,20 +30,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-out, counts = Path(sys.argv[1]), [int(n) for n in sys.argv[2:]]
+out, bandwidth, counts = Path(sys.argv[1]), sys.argv[2], [int(n) for n in sys.argv[3:]]
 series: dict[str, list[float]] = {}
 for n in counts:
     for row in json.loads((out / f"workers-{n}.json").read_text()):
-        series.setdefault(row["codec"], []).append(1000 / row["it_per_s"])
-fig, ax = plt.subplots(figsize=(7, 4))
+        name = row["codec"]
+        name = name.replace(" --topology colocated", " (colocated)") if "colocated" in name else (
+            name if name == "compute" else f"{name} (1 server rank)"
+        )
+        series.setdefault(name, []).append(1000 / row["it_per_s"])
+fig, ax = plt.subplots(figsize=(9, 4))
 for name, ms in series.items():
-    ax.plot(counts, ms, marker="o", label=name)
+    ax.plot(counts, ms, marker="o", label=name, linestyle=":" if name == "compute" else "-")
 ax.set_xlabel("workers")
 ax.set_ylabel("ms per step")
 ax.set_xticks(counts)
 ax.set_yscale("log")
-ax.legend(fontsize=7)
-ax.set_title("step time vs workers (mlp, shaped links)", fontsize=9)
+ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+ax.set_title(f"step time vs workers: ResNet-20, batch 8, {bandwidth} links, 2 cores", fontsize=9)
 fig.tight_layout()
 fig.savefig(out / "scaling.png", dpi=100)
 print("ms per step:", {name: [round(v, 1) for v in ms] for name, ms in series.items()})

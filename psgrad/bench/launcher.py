@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -376,16 +377,18 @@ def as_json(rows: list[BenchRow]) -> list[dict]:
 
 
 def plot_bars(rows: list[BenchRow], path: str, title: str = "") -> None:
+    """Horizontal bars of it/s (± half the spread), one row per item, labels readable at any length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
-    ax.bar([r.codec for r in rows], [r.it_per_s for r in rows], yerr=[r.it_per_s_spread for r in rows])
-    ax.set_ylabel("it/s")
-    ax.set_title(title, fontsize=9)
-    ax.tick_params(axis="x", rotation=30)
+    labels = [r.codec for r in rows][::-1]
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.4 * len(rows)))
+    ax.barh(labels, [r.it_per_s for r in rows][::-1], xerr=[r.it_per_s_spread for r in rows][::-1])
+    ax.set_xlabel("it/s")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
