@@ -71,14 +71,7 @@ class BenchRow:
     loss: float = NAN
     ideal_it_per_s: float = NAN
     of_ideal: float = NAN
-    forward: float = 0.0
-    backward: float = 0.0
-    encode: float = 0.0
-    push_wait: float = 0.0
-    pull_wait: float = 0.0
-    decode: float = 0.0
-    apply: float = 0.0
-    serve: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)  # BREAKDOWN phase -> seconds per step
     it_per_s_runs: list[float] = field(default_factory=list)
 
 
@@ -339,7 +332,7 @@ def summarize(
                 med.get("loss", NAN),
                 ideal,
                 of_ideal,
-                **{k: med.get(k, 0.0) for k in BREAKDOWN},
+                {k: med.get(k, 0.0) for k in BREAKDOWN},
                 it_per_s_runs=its,
             )
         )
@@ -362,7 +355,7 @@ def table(rows: list[BenchRow]) -> str:
             f"{r.codec:{width}s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
             f"{r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.hidden_comm_share, 6, 2)} "
             f"{_num(r.server_cpu, 7, 2)} {_num(r.loss, 8, 3)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
-            + " ".join(f"{getattr(r, k) * 1e3:8.1f}" for k in BREAKDOWN)
+            + " ".join(f"{r.times.get(k, 0.0) * 1e3:8.1f}" for k in BREAKDOWN)
         )
     lines.append(
         "times in ms per step (mean over workers); MB/step = bytes sent per step by all ranks; "
