@@ -208,6 +208,14 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a bar chart of it/s here (PNG)."
 )
+@click.option(
+    "--target-accuracy",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Time to accuracy: every row (and the DDP baselines) evaluates every --eval-steps steps (default: "
+    "--steps/20) and the report ranks rows by training seconds to this test accuracy, with steps, bytes and "
+    "final accuracy; --steps is then the cap.",
+)
 def bench(
     bench_codecs: str,
     baselines: list[str],
@@ -221,6 +229,7 @@ def bench(
     powersgd_rank: int,
     json_path: str | None,
     plot_path: str | None,
+    target_accuracy: float | None,
     **options,
 ) -> None:
     """Compare codecs (and DDP) by it/s, bytes and time breakdown.
@@ -235,6 +244,8 @@ def bench(
     from .bench.netshape import ShapeError, parse_rate
 
     options["steps"] = options["steps"] or 20
+    if target_accuracy and not options["eval_steps"]:
+        options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
     cfg = config_from(options)
     specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
     for item in specs + baselines:
@@ -251,12 +262,14 @@ def bench(
             _abort_job("--baselines and --bandwidth start MPI jobs of their own: run 'psgrad bench' without mpiexec")
         from .comm.transport import Transport
 
-        results = bench_module.run_in_mpi(cfg, specs, cfg.steps, warmup, repeat)
+        results = bench_module.run_in_mpi(cfg, specs, cfg.steps, warmup, repeat, target_accuracy)
         if Transport().rank != 0:
             return
         size = Transport().size
         rows = bench_module.summarize(results, cfg.servers, size - cfg.servers)
-        bench_module.report(rows, header + f"{size} ranks in one job, loopback", json_path, plot_path)
+        bench_module.report(
+            rows, header + f"{size} ranks in one job, loopback", json_path, plot_path, target=target_accuracy
+        )
         return
     try:
         mpiexec = bench_module.find_mpiexec(mpiexec_path)
@@ -272,6 +285,7 @@ def bench(
             timeout,
             bandwidth,
             powersgd_rank,
+            target_accuracy,
         )
     except (bench_module.BenchError, ShapeError) as err:
         raise click.ClickException(str(err)) from None
@@ -280,5 +294,9 @@ def bench(
     rows = bench_module.summarize(results, cfg.servers, workers, rate, topologies)
     where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
     bench_module.report(
-        rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", json_path, plot_path
+        rows,
+        header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}",
+        json_path,
+        plot_path,
+        target=target_accuracy,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .codecs import make_codec
 from .comm.protocol import LAYOUTS, TOPOLOGIES
+from .data import DATASETS
 from .feedback import FEEDBACKS
 
 
@@ -23,7 +24,7 @@ class RunConfig:
     dataset: str = "synthetic"
     data_dir: str = "data"
     synthetic_classes: int = 10
-    synthetic_size: int = 2048
+    synthetic_size: int | None = None  # training samples of a generated set; None: 2048, proxy 8192
     partition: str = "random"
     augment: bool = True
     # coding
@@ -62,6 +63,7 @@ class RunConfig:
     # output
     log_dir: str | None = None
     eval_every: int = 1
+    eval_steps: int = 0
     tensorboard: bool = False
     progress: bool = True
     checkpoint_every: int = 0
@@ -121,14 +123,15 @@ class RunConfig:
         need(self.staleness >= 0, f"--staleness must be >= 0, got {self.staleness}")
         need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(self.eval_steps >= 0, f"--eval-steps must be >= 0, got {self.eval_steps}")
         need(self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
         need(self.lr_decay > 0, f"--lr-decay must be > 0, got {self.lr_decay}")
         need(self.synthetic_classes in (10, 100), f"synthetic classes must be 10 or 100, got {self.synthetic_classes}")
-        need(self.synthetic_size >= self.batch_size, "--synthetic-size must be at least --batch-size")
+        need(self.synthetic_samples >= self.batch_size, "--synthetic-size must be at least --batch-size")
         need(
-            self.dataset in ("synthetic", "cifar10", "cifar100"),
-            f"--dataset must be synthetic, cifar10 or cifar100, got {self.dataset!r}",
+            self.dataset in DATASETS,
+            f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
         )
         need(
             not (self.mode == "async" and LAYOUTS.get(self.topology) == "peers"),
@@ -144,6 +147,19 @@ class RunConfig:
             "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD",
         )
         return self
+
+    @property
+    def synthetic_samples(self) -> int:
+        """Training samples of a generated dataset: ``synthetic_size``, else 2048 (8192 for proxy,
+        which needs more samples than its network can memorise)."""
+        if self.synthetic_size is not None:
+            return self.synthetic_size
+        return 8192 if self.dataset == "proxy" else 2048
+
+    @property
+    def dataset_label(self) -> str:
+        """How reports name the data: generated sets say so."""
+        return {"synthetic": "synthetic", "proxy": "proxy (synthetic)"}.get(self.dataset, self.dataset)
 
     @property
     def num_classes(self) -> int:

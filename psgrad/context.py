@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,7 @@ class RunContext:
             named, cfg.granularity, layout.server_ranks, cfg.bucket_vectors, cost=_coded_bytes(cfg.codec)
         )
         transport.check_tag(layer_tag(len(layers)))
-        label = "synthetic" if cfg.dataset == "synthetic" and loader_fn is None else cfg.dataset
+        label = cfg.dataset_label if loader_fn is None else "custom data"
         loader = None
         if layout.is_worker(rank):
             index, workers = layout.worker_index(rank), layout.num_workers
@@ -132,7 +133,7 @@ class RunContext:
                 loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
             else:
                 train_set = load_dataset(
-                    cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+                    cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
                 )
                 loader = ShardLoader(
                     train_set, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
@@ -204,9 +205,9 @@ class RunContext:
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
 
     def is_eval_step(self, step: int) -> bool:
-        """The last step, and the end of every ``eval_every``-th epoch."""
+        """The last step, every ``eval_steps``-th step, and the end of every ``eval_every``-th epoch."""
         spe, every = self.steps_per_epoch, self.cfg.eval_every
-        if step == self.total - 1:
+        if step == self.total - 1 or (self.cfg.eval_steps and (step + 1) % self.cfg.eval_steps == 0):
             return True
         return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
 
@@ -222,12 +223,19 @@ class RunContext:
             if self._test_set is None:
                 cfg = self.cfg
                 self._test_set = load_dataset(
-                    cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed
+                    cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
                 )
             batches = eval_batches(self._test_set, self.cfg.dataset)
+        start = time.perf_counter()
         test_loss, test_acc = evaluate(model, batches, self.loss_fn)
-        epoch = round((step + 1) / self.steps_per_epoch, 4)
-        return {"epoch": epoch, "step": step + 1, "test_loss": test_loss, "test_acc": test_acc, "dataset": self.label}
+        return {
+            "epoch": round((step + 1) / self.steps_per_epoch, 4),
+            "step": step + 1,
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "dataset": self.label,
+            "eval_seconds": time.perf_counter() - start,
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self, step: int) -> Path:

@@ -13,7 +13,7 @@ METRIC_COLUMNS = [
     "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr", *TIME_KEYS, "step_time",
     "server_decode", "server_apply", "server_idle", "server_cpu", "wall",
 ]  # fmt: skip
-EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset"]
+EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset", "eval_seconds"]
 
 
 class StepAggregator:

@@ -7,6 +7,7 @@ import click
 
 from .comm.protocol import TOPOLOGIES
 from .config import RunConfig
+from .data import DATASETS
 from .models import MODELS
 
 _DEFAULTS = RunConfig()
@@ -28,8 +29,9 @@ RUN_OPTIONS = [
     (
         "--dataset",
         "dataset",
-        click.Choice(["synthetic", "cifar10", "cifar100"]),
-        "Training data; synthetic is generated from --seed.",
+        click.Choice(list(DATASETS)),
+        "Training data. synthetic and proxy are generated from --seed: synthetic is easy (dense reaches 100 % "
+        "in a few epochs), proxy is the harder accuracy proxy for comparing codecs (docs/training.md).",
     ),
     (
         "--data-dir",
@@ -38,7 +40,12 @@ RUN_OPTIONS = [
         "Directory with the CIFAR python archives (extracted or .tar.gz).",
     ),
     ("--synthetic-classes", "synthetic_classes", click.Choice(["10", "100"]), "Classes of the synthetic dataset."),
-    ("--synthetic-size", "synthetic_size", click.IntRange(min=1), "Training samples of the synthetic dataset."),
+    (
+        "--synthetic-size",
+        "synthetic_size",
+        click.IntRange(min=1),
+        "Training samples of a generated dataset [default: 2048 synthetic, 8192 proxy].",
+    ),
     (
         "--partition",
         "partition",
@@ -158,6 +165,12 @@ RUN_OPTIONS = [
         "eval_every",
         click.IntRange(min=0),
         "Evaluate on the test set every N epochs (0: only at the end).",
+    ),
+    (
+        "--eval-steps",
+        "eval_steps",
+        click.IntRange(min=0),
+        "Also evaluate every N steps (0: only by --eval-every epochs and at the end).",
     ),
     ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
     ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),

@@ -145,3 +145,49 @@ def test_busiest_link_per_topology():
     assert busiest_link(m, "colocated", False, servers=1, workers=4) == 3.5e6  # each rank sends its share
     assert busiest_link(m, "alltoall", False, servers=1, workers=4) == 2e6
     assert busiest_link(m, "ps", True, servers=1, workers=4) == 2e6  # a DDP worker's own share
+
+
+def test_time_to_target_excludes_evaluation_pauses():
+    from psgrad.bench.launcher import to_target
+
+    rows = [{"wall": 1.0 * (s + 1), "bytes_up": 100_000, "bytes_down": 50_000} for s in range(10)]
+    evals = [
+        {"step": 2, "test_acc": 0.3, "eval_seconds": 0.5},
+        {"step": 4, "test_acc": 0.6, "eval_seconds": 0.5},
+        {"step": 6, "test_acc": 0.8, "eval_seconds": 0.5},
+        {"step": 10, "test_acc": 0.7, "eval_seconds": 0.5},
+    ]
+    got = to_target(rows, evals, 0.75)
+    # step 6 is 6.0 s into the run, of which two evaluations (1.0 s) were pauses
+    assert got == {"target_steps": 6, "target_seconds": 5.0, "target_mb": 0.9, "final_acc": 0.7}
+    never = to_target(rows, evals, 0.9)
+    assert never["final_acc"] == 0.7 and all(never[k] != never[k] for k in ("target_steps", "target_seconds"))
+
+
+def test_target_table_ranks_by_seconds_and_says_never():
+    from psgrad.bench.launcher import BenchRow, target_table
+
+    def row(name, seconds, acc, rounds):
+        return BenchRow(name, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2, 0.5, target_seconds=seconds,
+                        target_steps=10, target_mb=1.0, final_acc=acc, target_rounds=rounds)  # fmt: skip
+
+    text = target_table([row("slow", 9.0, 0.9, 2), row("never", float("nan"), 0.4, 0), row("fast", 3.0, 0.8, 2)], 0.7)
+    order = [line.split()[0] for line in text.splitlines()[3:6]]
+    assert order == ["fast", "slow", "never"]
+    assert "0/2" in text.splitlines()[5] and "-" in text.splitlines()[5].split()[1]
+
+
+def test_bench_time_to_accuracy_rows(tmp_path):
+    out = tmp_path / "t.json"
+    proc = _launcher(
+        [*SMALL, "--steps", "12", "--warmup", "1", "--eval-steps", "4", "--codecs", "none;sign --feedback ef"]
+        + ["--baselines", "compute,ddp", "--target-accuracy", "0.3", "--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["codec"]: r for r in json.loads(out.read_text())}
+    for name in ("none", "sign --feedback ef", "ddp"):
+        assert 0 <= rows[name]["final_acc"] <= 1 and rows[name]["target_rounds"] in (0, 1), name
+        if rows[name]["target_rounds"]:
+            assert rows[name]["target_steps"] in (4, 8, 12, 13) and rows[name]["target_seconds"] > 0
+    assert rows["compute"]["final_acc"] is None  # no single model to evaluate
+    assert "time to test accuracy 0.300" in proc.stdout

@@ -193,7 +193,7 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
     proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (log / "eval.csv").read_text().splitlines()
-    assert rows[0] == "epoch,step,test_loss,test_acc,dataset" and rows[-1].endswith("synthetic")
+    assert rows[0] == "epoch,step,test_loss,test_acc,dataset,eval_seconds" and ",synthetic," in rows[-1]
     assert float(rows[-1].split(",")[3]) > 0.5  # 10 classes: chance is 0.1
     # the TensorBoard events hold the same numbers as the CSV files
     scalars = _tensorboard_scalars(log / "tb")
@@ -226,3 +226,26 @@ def _tensorboard_scalars(directory):
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def _nearest_mean_accuracy(train, test) -> float:
+    """Accuracy of a nearest-class-mean classifier on raw pixels: how easy a set is."""
+    x, xt = train.images.reshape(len(train.labels), -1).astype(np.float32), test.images.reshape(len(test.labels), -1)
+    means = np.stack([x[train.labels == c].mean(0) for c in range(10)])
+    dist = ((xt.astype(np.float32)[:, None, :] - means[None]) ** 2).sum(-1)
+    return float((dist.argmin(1) == test.labels).mean())
+
+
+def test_proxy_set_is_generated_labelled_and_harder_than_synthetic():
+    proxy_train = load_dataset("proxy", "train", synthetic_size=2048, seed=3)
+    proxy_test = load_dataset("proxy", "test", synthetic_size=2048, seed=3)
+    again = load_dataset("proxy", "train", synthetic_size=2048, seed=3)
+    assert np.array_equal(proxy_train.images, again.images) and np.array_equal(proxy_train.labels, again.labels)
+    assert proxy_train.images.shape == (2048, 3, 32, 32) and proxy_train.images.dtype == np.uint8
+    assert proxy_train.name.startswith("proxy") and np.bincount(proxy_test.labels, minlength=10).min() > 30
+    easy = _nearest_mean_accuracy(load_dataset("synthetic", "train", synthetic_size=2048, seed=3),
+                                  load_dataset("synthetic", "test", synthetic_size=2048, seed=3))  # fmt: skip
+    hard = _nearest_mean_accuracy(proxy_train, proxy_test)
+    assert easy > 0.95 and hard < 0.6, (easy, hard)  # one template per class no longer solves it
+    assert RunConfig(dataset="proxy").synthetic_samples == 8192 and RunConfig().synthetic_samples == 2048
+    assert RunConfig(dataset="proxy").dataset_label == "proxy (synthetic)"

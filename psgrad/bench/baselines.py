@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RunConfig
-from ..data import ShardLoader, load_dataset
+from ..data import ShardLoader, eval_batches, load_dataset
 from ..models import build_model
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
@@ -40,7 +40,7 @@ BASELINES = ("compute", "ddp", "ddp-powersgd")
 def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
-    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_size, cfg.seed)
+    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
     loader = ShardLoader(data, cfg.dataset, worker, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment)
     return model, loader
 
@@ -56,8 +56,9 @@ def _ring_bytes(elements: int, workers: int) -> int:
     return 0 if workers < 2 else 2 * (workers - 1) * 4 * elements
 
 
-def _rows(model, loader, optimizer, steps: int, bytes_of_step) -> list[dict]:
-    rows, start = [], time.perf_counter()
+def _rows(model, loader, optimizer, steps: int, bytes_of_step, evaluate=None) -> tuple[list[dict], list[dict]]:
+    """Train ``steps`` steps; ``evaluate(step)`` (rank 0, at evaluation steps) gives eval rows."""
+    rows, evals, start = [], [], time.perf_counter()
     for step in range(steps):
         t0 = time.perf_counter()
         images, labels = loader.batch(step)
@@ -86,11 +87,36 @@ def _rows(model, loader, optimizer, steps: int, bytes_of_step) -> list[dict]:
                 "wall": t3 - start,
             }
         )
-    return rows
+        if evaluate is not None:
+            row = evaluate(step)
+            if row is not None:
+                evals.append(row)
+                model.train()
+    return rows, evals
 
 
-def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> list[dict]:
-    """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns the rows, others []."""
+def _evaluator(cfg: RunConfig, model, rank: int, steps: int):
+    """Rank 0 evaluates ``model`` every ``cfg.eval_steps`` steps and at the last, like psgrad's runs."""
+    if rank != 0 or not cfg.eval_steps:
+        return None
+    from ..context import evaluate
+
+    test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+
+    def run(step: int) -> dict | None:
+        if (step + 1) % cfg.eval_steps and step != steps - 1:
+            return None
+        start = time.perf_counter()
+        loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy)
+        return {"step": step + 1, "test_loss": loss, "test_acc": acc, "eval_seconds": time.perf_counter() - start}
+
+    return run
+
+
+def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> tuple[list[dict], list[dict]]:
+    """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns (rows, evals), others
+    ([], []). DDP rows evaluate every ``cfg.eval_steps`` steps; ``compute`` has no one model to
+    evaluate (each worker trains alone)."""
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
     from ..comm.transport import Transport  # imported here: importing mpi4py initialises MPI
@@ -108,8 +134,8 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
-        rows = _rows(model, loader, optimizer_for(model), steps, lambda: 0)
-        return rows if rank == 0 else []
+        rows, _ = _rows(model, loader, optimizer_for(model), steps, lambda: 0)
+        return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -139,8 +165,8 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 elements, seen["after"] = (after - seen["after"]) or numel, after
                 return _ring_bytes(elements, workers)
 
-        rows = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes)
+        rows, evals = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes, _evaluator(cfg, model, rank, steps))
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()
-    return rows if rank == 0 else []
+    return (rows, evals) if rank == 0 else ([], [])

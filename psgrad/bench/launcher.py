@@ -72,6 +72,12 @@ class BenchRow:
     ideal_it_per_s: float = NAN
     of_ideal: float = NAN
     times: dict[str, float] = field(default_factory=dict)  # BREAKDOWN phase -> seconds per step
+    # time to accuracy (--target-accuracy): medians over the rounds that reached it
+    target_seconds: float = NAN
+    target_steps: float = NAN
+    target_mb: float = NAN
+    final_acc: float = NAN
+    target_rounds: int = 0  # rounds that reached the target
     it_per_s_runs: list[float] = field(default_factory=list)
 
 
@@ -123,26 +129,67 @@ def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     return head, replace(cfg, **overrides).validate()
 
 
-def run_item(item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: int = 2) -> dict | None:
-    """Run one item (codec or baseline) on every rank of this MPI job; rank 0 gets the measurement."""
+def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
+    """Time to accuracy from a run's metrics rows (one per step, in order) and evaluations.
+
+    1. The first evaluation with test accuracy >= ``target`` names the step s.
+    2. Seconds to target = the wall clock at step s minus the seconds spent evaluating before it
+       (evaluation pauses training, and a row that evaluates more often must not pay for it).
+    3. Bytes to target = every byte sent in steps 1..s. Final accuracy = the last evaluation's.
+    A run that never reaches the target has NaN for the first three.
+    """
+    out = {"target_steps": NAN, "target_seconds": NAN, "target_mb": NAN}
+    out["final_acc"] = float(evals[-1]["test_acc"]) if evals else NAN
+    paused = 0.0
+    for e in evals:
+        if e["test_acc"] >= target:
+            s = int(e["step"])
+            out["target_steps"] = s
+            out["target_seconds"] = rows[s - 1]["wall"] - paused
+            out["target_mb"] = sum(r["bytes_up"] + r["bytes_down"] for r in rows[:s]) / 1e6
+            break
+        paused += float(e.get("eval_seconds", 0.0))
+    return out
+
+
+def run_item(
+    item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: int = 2, target: float | None = None
+) -> dict | None:
+    """Run one item (codec or baseline) on every rank of this MPI job; rank 0 gets the measurement.
+
+    With ``target``, the run evaluates every ``cfg.eval_steps`` steps and the measurement adds
+    its time to that test accuracy (``to_target``).
+    """
     head, cfg = item_config(item, cfg)
     if head in BASELINES:
         from .baselines import run_baseline
 
-        rows = run_baseline(head, replace(cfg, steps=steps + warmup), steps + warmup, powersgd_rank)
-        return measure(rows, warmup) if rows else None
+        rows, evals = run_baseline(
+            head,
+            replace(cfg, steps=steps + warmup, eval_steps=cfg.eval_steps if target else 0),
+            steps + warmup,
+            powersgd_rank,
+        )
+        if not rows:
+            return None
+        return measure(rows, warmup) | (to_target(rows, evals, target) if target and head != "compute" else {})
     from ..train import run
 
-    result = run(replace(cfg, steps=steps + warmup, eval_every=0, progress=False, log_dir=None))
-    return measure(result.rows, warmup) if result.rank == 0 else None
+    eval_steps = cfg.eval_steps if target else 0
+    result = run(replace(cfg, steps=steps + warmup, eval_every=0, eval_steps=eval_steps, progress=False, log_dir=None))
+    if result.rank != 0:
+        return None
+    return measure(result.rows, warmup) | (to_target(result.rows, result.evals, target) if target else {})
 
 
-def run_in_mpi(cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int) -> dict[str, list[dict]]:
+def run_in_mpi(
+    cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int, target: float | None = None
+) -> dict[str, list[dict]]:
     """Every rank of the current MPI job calls this; rank 0 gets {spec: [measurement per round]}."""
     results: dict[str, list[dict]] = {s: [] for s in specs}
     for _ in range(repeat):
         for spec in specs:
-            m = run_item(spec, cfg, steps, warmup)
+            m = run_item(spec, cfg, steps, warmup, target=target)
             if m is not None:
                 results[spec].append(m)
     return results
@@ -205,6 +252,7 @@ def orchestrate(
     timeout: float,
     bandwidth: str | None = None,
     powersgd_rank: int = 2,
+    target: float | None = None,
 ) -> dict[str, list[dict]]:
     """Run every item ``repeat`` times, interleaved, each as its own mpiexec job."""
     from contextlib import nullcontext
@@ -226,7 +274,7 @@ def orchestrate(
                 job.write_text(
                     json.dumps(
                         {"item": item, "config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}
-                        | {"powersgd_rank": powersgd_rank, "out": str(out)}
+                        | {"powersgd_rank": powersgd_rank, "target": target, "out": str(out)}
                     )
                 )
                 command = [sys.executable, "-m", "psgrad.bench", str(job)]
@@ -241,18 +289,30 @@ def orchestrate(
                 m = json.loads(out.read_text())
                 results[item].append(m)
                 print(
-                    f"[bench {done}/{total}]   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step "
-                    f"({time.perf_counter() - started:.0f} s)",
+                    f"[bench {done}/{total}]   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step"
+                    f"{_target_note(m, target)} ({time.perf_counter() - started:.0f} s)",
                     file=sys.stderr,
                 )
     return results
+
+
+def _target_note(m: dict, target: float | None) -> str:
+    if not target or "final_acc" not in m:
+        return ""
+    reached = m["target_steps"] == m["target_steps"]
+    where = (
+        f"{target:.3f} at step {m['target_steps']}, {m['target_seconds']:.1f} s"
+        if reached
+        else f"{target:.3f} not reached"
+    )
+    return f", test accuracy {m['final_acc']:.3f} ({where})"
 
 
 def _child(job_path: str) -> None:
     """Entry of one launcher job: ``mpiexec -n N python -m psgrad.bench JOB.json``."""
     job = json.loads(Path(job_path).read_text())
     cfg = RunConfig.from_json(json.dumps(job["config"]))
-    m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"])
+    m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
     if job["item"].split()[0] in BASELINES:
@@ -333,10 +393,49 @@ def summarize(
                 ideal,
                 of_ideal,
                 {k: med.get(k, 0.0) for k in BREAKDOWN},
+                **_target_medians(ms),
                 it_per_s_runs=its,
             )
         )
     return rows
+
+
+def _target_medians(ms: list[dict]) -> dict:
+    """Median time/steps/bytes to target over the rounds that reached it, and the final accuracy."""
+    if not any("final_acc" in m for m in ms):
+        return {}
+    reached = [m for m in ms if m["target_steps"] == m["target_steps"]]
+    out = {"final_acc": statistics.median(m["final_acc"] for m in ms), "target_rounds": len(reached)}
+    for key in ("target_seconds", "target_steps", "target_mb"):
+        out[key] = statistics.median(m[key] for m in reached) if reached else NAN
+    return out
+
+
+def target_table(rows: list[BenchRow], target: float) -> str:
+    """Rows by seconds to ``target`` test accuracy, fastest first; rows that never reached it last."""
+    ranked = sorted(rows, key=lambda r: (r.target_seconds != r.target_seconds, r.target_seconds, r.codec))
+    width = max([30, *(len(r.codec) for r in rows)])
+    head = (
+        f"{'row':{width}s} {'s to target':>11s} {'steps':>7s} {'MB':>9s} {'final acc':>9s} {'reached':>8s} {'it/s':>7s}"
+    )
+    lines = [
+        f"time to test accuracy {target:.3f} (training seconds; evaluation pauses excluded)",
+        head,
+        "-" * len(head),
+    ]
+    for r in ranked:
+        if r.final_acc != r.final_acc:
+            lines.append(f"{r.codec:{width}s} {'-':>11s} {'-':>7s} {'-':>9s} {'-':>9s} {'-':>8s} {r.it_per_s:7.2f}")
+            continue
+        reached = f"{r.target_rounds}/{r.runs}"
+        lines.append(
+            f"{r.codec:{width}s} {_num(r.target_seconds, 11, 1)} {_num(r.target_steps, 7, 0)} {_num(r.target_mb, 9, 1)} "
+            f"{r.final_acc:9.3f} {reached:>8s} {r.it_per_s:7.2f}"
+        )
+    lines.append(
+        "'-' in seconds: never reached in any round; compute-only rows train no single model and are not evaluated"
+    )
+    return "\n".join(lines)
 
 
 def _num(value: float, width: int, digits: int) -> str:
@@ -387,8 +486,17 @@ def plot_bars(rows: list[BenchRow], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def report(rows: list[BenchRow], header: str, json_path: str | None, plot_path: str | None, out=sys.stdout) -> None:
+def report(
+    rows: list[BenchRow],
+    header: str,
+    json_path: str | None,
+    plot_path: str | None,
+    out=sys.stdout,
+    target: float | None = None,
+) -> None:
     print(header, file=sys.stderr)
+    if target:
+        print(target_table(rows, target) + "\n", file=out)
     print(table(rows), file=out)
     if json_path:
         with open(json_path, "w") as f:

@@ -5,12 +5,25 @@ from __future__ import annotations
 import torch
 
 from .cifar import ImageSet, load_cifar
-from .synthetic import make_synthetic
+from .synthetic import make_proxy, make_synthetic
+
+GENERATED = {"synthetic": make_synthetic, "proxy": make_proxy}
+DATASETS = ("synthetic", "proxy", "cifar10", "cifar100")
 
 MEANS = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
 STDS = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
 
-__all__ = ["ImageSet", "ShardLoader", "load_dataset", "load_cifar", "make_synthetic", "normalize", "augment"]
+__all__ = [
+    "DATASETS",
+    "ImageSet",
+    "ShardLoader",
+    "augment",
+    "load_cifar",
+    "load_dataset",
+    "make_proxy",
+    "make_synthetic",
+    "normalize",
+]
 
 
 def load_dataset(
@@ -21,12 +34,12 @@ def load_dataset(
     synthetic_size: int = 2048,
     seed: int = 0,
 ) -> ImageSet:
-    if name == "synthetic":
+    if name in GENERATED:
         size = synthetic_size if split == "train" else max(256, synthetic_size // 4)
-        return make_synthetic(synthetic_classes, size, seed, split)
+        return GENERATED[name](synthetic_classes, size, seed, split)
     if name in ("cifar10", "cifar100"):
         return load_cifar(name, data_dir, split)
-    raise ValueError(f"unknown dataset {name!r}; choose synthetic, cifar10 or cifar100")
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
 def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:
