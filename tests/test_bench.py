@@ -191,3 +191,21 @@ def test_bench_time_to_accuracy_rows(tmp_path):
             assert rows[name]["target_steps"] in (4, 8, 12, 13) and rows[name]["target_seconds"] > 0
     assert rows["compute"]["final_acc"] is None  # no single model to evaluate
     assert "time to test accuracy 0.300" in proc.stdout
+
+
+def test_baselines_follow_the_runs_learning_rate_schedule():
+    """DDP rows must train at the schedule psgrad's servers use, or time to accuracy compares apples with pears."""
+    import torch
+
+    from psgrad.bench.baselines import _rows
+
+    class Loader:
+        def batch(self, step):
+            return torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=99.0)
+    seen = []
+    rows, evals = _rows(model, Loader(), optimizer, 3, lambda: 0, lambda s: seen.append(s) or 0.01 * (s + 1))
+    assert len(rows) == 3 and evals == [] and seen == [0, 1, 2]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03)

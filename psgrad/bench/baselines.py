@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..config import RunConfig
 from ..data import ShardLoader, eval_batches, load_dataset
 from ..models import build_model
+from ..optim import learning_rate
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 
@@ -56,10 +57,13 @@ def _ring_bytes(elements: int, workers: int) -> int:
     return 0 if workers < 2 else 2 * (workers - 1) * 4 * elements
 
 
-def _rows(model, loader, optimizer, steps: int, bytes_of_step, evaluate=None) -> tuple[list[dict], list[dict]]:
-    """Train ``steps`` steps; ``evaluate(step)`` (rank 0, at evaluation steps) gives eval rows."""
+def _rows(model, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None) -> tuple[list[dict], list[dict]]:
+    """Train ``steps`` steps at the run's schedule (``lr_at(step)``, the same as psgrad's servers
+    use); ``evaluate(step)`` (rank 0, at evaluation steps) gives eval rows."""
     rows, evals, start = [], [], time.perf_counter()
     for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
         t0 = time.perf_counter()
         images, labels = loader.batch(step)
         out = model(images)
@@ -127,6 +131,12 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     model, loader = _model_and_loader(cfg, rank, workers)
     numel = sum(p.numel() for p in model.parameters())
 
+    # the mean shard, as psgrad's runs agree on it
+    spe = int(transport.allreduce_sum([loader.steps_per_epoch])[0] // workers)
+
+    def lr_at(step: int) -> float:
+        return learning_rate(cfg, step, spe, workers)
+
     def optimizer_for(m):
         return torch.optim.SGD(
             m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
@@ -134,7 +144,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
-        rows, _ = _rows(model, loader, optimizer_for(model), steps, lambda: 0)
+        rows, _ = _rows(model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
@@ -165,7 +175,8 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 elements, seen["after"] = (after - seen["after"]) or numel, after
                 return _ring_bytes(elements, workers)
 
-        rows, evals = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes, _evaluator(cfg, model, rank, steps))
+        evaluate = _evaluator(cfg, model, rank, steps)
+        rows, evals = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()
