@@ -137,7 +137,7 @@ def _check_shape(value: Any, name: str) -> tuple[int, ...]:
 def _unpack_array(name: str, entry: Any) -> torch.Tensor:
     if type(entry) is not dict or set(entry) != _ARRAY_KEYS:
         _fail(f"array {name!r} must be a map with keys {sorted(_ARRAY_KEYS)}")
-    if entry["d"] not in ARRAY_DTYPES:
+    if type(entry["d"]) is not str or entry["d"] not in ARRAY_DTYPES:
         _fail(f"array {name!r} has dtype {entry['d']!r}; allowed: {', '.join(ARRAY_DTYPES)}")
     np_dtype, _ = ARRAY_DTYPES[entry["d"]]
     shape = _check_shape(entry["s"], f"array {name!r} shape")
@@ -190,9 +190,9 @@ def loads(buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTE
         _fail(f"message keys wrong (missing {missing}, unexpected {extra})")
     if header["v"] != FORMAT_VERSION:
         _fail(f"format version {header['v']!r} is not {FORMAT_VERSION}")
-    if header["kind"] not in KINDS:
+    if type(header["kind"]) is not str or header["kind"] not in KINDS:
         _fail(f"kind {header['kind']!r} is not one of {KINDS}")
-    if header["dtype"] not in GRAD_DTYPES:
+    if type(header["dtype"]) is not str or header["dtype"] not in GRAD_DTYPES:
         _fail(f"dtype {header['dtype']!r} is not one of {tuple(GRAD_DTYPES)}")
     if type(header["arrays"]) is not dict or len(header["arrays"]) > 16:
         _fail("arrays must be a map of at most 16 entries")
