@@ -284,3 +284,15 @@ def test_message_does_not_alias_the_gradient(spec):
     before = codec.decode(msg).clone()
     grad.zero_()
     assert torch.equal(codec.decode(msg), before)
+
+
+@pytest.mark.parametrize("name", available_codecs())
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0)])
+def test_empty_tensors_round_trip_through_every_codec(name, shape):
+    codec = make_codec(name)
+    msg = codec.encode(torch.zeros(shape), seed=1)
+    back = wire.loads(wire.dumps(msg))
+    assert codec.decode(back).shape == shape
+    out = torch.zeros(shape)
+    codec.decode_add(back, out)
+    assert out.shape == shape

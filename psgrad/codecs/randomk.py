@@ -43,6 +43,8 @@ class RandomKCodec(Codec):
 
     @staticmethod
     def _indices(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+        if k == 0:  # an empty tensor: randint cannot draw from an empty range
+            return torch.zeros(0, dtype=torch.int64, device=device)
         gen = _bits.generator(seed, torch.device("cpu"))
         return torch.randint(0, numel, (k,), generator=gen).to(device)
 
