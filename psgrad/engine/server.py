@@ -33,6 +33,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch import nn
 
 from ..codecs import Codec, Message, make_codec
 from ..comm import wire
@@ -41,6 +42,7 @@ from ..comm.protocol import (
     TAG_CONTROL,
     TAG_VALUES,
     Layer,
+    copy_flat_into,
     layer_tag,
     message_seed,
     tensor_message,
@@ -176,10 +178,14 @@ class ServerBase:
         """Handle whatever arrived, without waiting; True when something did."""
         handles = list(self.pending.values())
         done = self.transport.test_some(handles)
+        self._handle(handles, done)
+        return bool(done)
+
+    def _handle(self, handles: list[Handle], done: list[int]) -> None:
+        """Dispatch the completed receives, then let finished replies go."""
         for i in done:
             self._arrived(handles[i])
         self.sends = self.transport.progress(self.sends)
-        return bool(done)
 
     def serve_until(self, finished: Callable[[], bool], patience: Patience = SERVER_PATIENCE) -> None:
         """Serve until ``finished()`` is true, waiting with ``patience``'s back-off (by default the
@@ -190,9 +196,7 @@ class ServerBase:
             idle_before = self.transport.idle_seconds
             done = self.transport.wait_some(handles, patience=patience)
             self.times["idle"] += self.transport.idle_seconds - idle_before
-            for i in done:
-                self._arrived(handles[i])
-            self.sends = self.transport.progress(self.sends)
+            self._handle(handles, done)
             if not handles and not finished():
                 raise RuntimeError(f"rank {self.rank} waits for nothing: no receive is posted")
 
@@ -310,6 +314,12 @@ class ServerBase:
         others = len(self.other_servers)
         self.serve_until(lambda: step in self.eval_buffers and len(self.peer_values.get(step, {})) == others, patience)
         return self.eval_buffers.pop(step)
+
+    def load_model(self, model: nn.Module, step: int | None = None) -> None:
+        """Copy the model's values into ``model``: this rank's layers, and the other servers' sent for ``step``."""
+        params = dict(model.named_parameters())
+        for index, flat in self.model_values(step).items():
+            copy_flat_into(params, self.layers[index].params, flat)
 
     def model_values(self, step: int | None = None) -> dict[int, torch.Tensor]:
         """Flat values by layer index: this rank's own, and the other servers' sent for ``step``."""

@@ -21,7 +21,7 @@ import copy
 import torch
 from torch import nn
 
-from ..comm.protocol import copy_flat_into, load_buffers_vector
+from ..comm.protocol import load_buffers_vector
 from ..comm.transport import Patience
 from ..context import Role, RunContext
 from ..engine.server import SERVERS, ServingThread
@@ -72,15 +72,12 @@ class ColocatedRole(Role):
                 self.server.send_values(step)
                 return None
             buffers = self.server.wait_for_evaluation(step, Patience())
-            values = self.server.model_values(step)
-        if self.eval_model is None:
-            # a copy, not a new model: building one would draw from the RNG the run trains with
-            self.eval_model = copy.deepcopy(self.ctx.model).cpu()
-            for module in self.eval_model.modules():
-                module._forward_pre_hooks.clear()  # the worker's pull hooks came along with the copy
-        params = dict(self.eval_model.named_parameters())
-        for index, flat in values.items():
-            copy_flat_into(params, self.ctx.layers[index].params, flat)
+            if self.eval_model is None:
+                # a copy, not a new model: building one would draw from the RNG the run trains with
+                self.eval_model = copy.deepcopy(self.ctx.model).cpu()
+                for module in self.eval_model.modules():
+                    module._forward_pre_hooks.clear()  # the worker's pull hooks came along with the copy
+            self.server.load_model(self.eval_model, step)
         load_buffers_vector(self.eval_model, buffers)
         return self.ctx.evaluate(self.eval_model, step)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.protocol import copy_flat_into, load_buffers_vector
+from ..comm.protocol import load_buffers_vector
 from ..context import Role, RunContext
 from ..engine.server import SERVERS
 from ..engine.worker import Worker
@@ -21,7 +21,6 @@ class ServerRole(Role):
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.server = SERVERS[ctx.cfg.mode](ctx)
-        self.model_params = dict(ctx.model.named_parameters())
 
     @property
     def doing(self) -> str:
@@ -34,18 +33,13 @@ class ServerRole(Role):
         self.server.serve_until(lambda: self.server.has_completed(step))
         return self.server.take_rows()
 
-    def _load_model(self, step: int | None = None) -> None:
-        """Server 0's model: its own layers' values and, at an evaluation, the other servers'."""
-        for index, flat in self.server.model_values(step).items():
-            copy_flat_into(self.model_params, self.ctx.layers[index].params, flat)
-
     def evaluate(self, step: int) -> dict | None:
         if self.ctx.rank != 0:
             self.server.send_values(step)
             return None
         buffers = self.server.wait_for_evaluation(step)
         self.server.doing = f"evaluating after step {step}"
-        self._load_model(step)
+        self.server.load_model(self.ctx.model, step)  # its own layers and the other servers' for this step
         load_buffers_vector(self.ctx.model, buffers)
         return self.ctx.evaluate(self.ctx.model, step)
 
@@ -56,8 +50,8 @@ class ServerRole(Role):
     def params(self) -> dict[str, torch.Tensor]:
         if self.ctx.rank != 0:
             return {}
-        self._load_model()
-        return {n: p.detach().clone() for n, p in self.model_params.items()}
+        self.server.load_model(self.ctx.model)
+        return {n: p.detach().clone() for n, p in self.ctx.model.named_parameters()}
 
     def state_dict(self) -> dict:
         return {"server": self.server.state_dict()}
