@@ -137,6 +137,13 @@ def test_summarize_pairs_rounds_so_drift_cancels():
     assert rows["topk"].of_ideal == 0.75  # per round 0.75, 0.25, 0.75; the medians: 3 / 8
 
 
+def test_baseline_speedup_is_exactly_one():
+    # x * (1 / x) is not 1.0 in floating point for these x; the none row must still say 1.0
+    for x in (0.013, 0.021, 2.3, 7.1, 9.87654321):
+        rows = summarize({"none": [_m(x, 8e6)], "compute": [_m(x, 0)]}, bandwidth_bits=10**12)
+        assert rows[0].speedup == 1.0 and rows[1].of_ideal == 1.0
+
+
 def test_busiest_link_per_topology():
     from psgrad.bench.launcher import busiest_link
 

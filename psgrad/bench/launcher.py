@@ -356,7 +356,10 @@ def summarize(
         """Median over rounds of item's it/s over 1 / max(reference's step time, t_net) in the same
         round (with t_net = 0: simply over the reference's it/s)."""
         pairs = zip(results[item], results[reference], strict=False)
-        return statistics.median(m["it_per_s"] * max(1.0 / r["it_per_s"], t_net) for m, r in pairs)
+        # Divide rather than multiply by 1 / r: an item against itself must come out exactly 1.0.
+        return statistics.median(
+            m["it_per_s"] / r["it_per_s"] if r["it_per_s"] * t_net <= 1.0 else m["it_per_s"] * t_net for m, r in pairs
+        )
 
     base = median("none") if results.get("none") else None
     compute = median("compute") if results.get("compute") else None
