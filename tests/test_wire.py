@@ -106,6 +106,40 @@ def test_blosc_claiming_a_huge_size_is_rejected_before_decompressing():
         wire.loads(msgpack.packb(header, use_bin_type=True))
 
 
+def _forged(spec: str, numel: int, **header_fields) -> bytes:
+    header = msgpack.unpackb(wire.dumps(_message(spec, (numel,)), compress="always"), raw=False)
+    header.update(header_fields)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def test_tiny_message_claiming_a_huge_layer_is_refused_with_the_layer_shape():
+    # 1 of 2^31 elements kept: a valid top-k message of ~200 bytes whose decode would allocate 8 GiB
+    bomb = _forged("topk:ratio=0.001", 1000, shape=[1 << 31], params={"ratio": 1e-12})
+    assert len(bomb) < 300 and wire.loads(bomb).numel == 1 << 31  # well-formed on its own
+    with pytest.raises(WireError, match="not the layer's"):
+        wire.loads(bomb, shape=(1000,))
+    for spec in ("randomk:ratio=0.001", "threshold:v=3.0"):
+        with pytest.raises(WireError, match="not the layer's"):
+            wire.loads(_forged(spec, 1000, shape=[1 << 28]), shape=(1000,))
+
+
+def test_blosc_frame_of_zeros_is_refused_before_decompressing(monkeypatch):
+    # an honest none-coded message of 16 MB of zeros compresses to 67 KB, less than a receive
+    # buffer for a 20,000-value layer; the declared size is refused before blosc runs
+    bound = wire.max_message_bytes("none", (20_000,), "layer1.weight")
+    zeros = make_codec("none").encode(torch.zeros(1 << 22), seed=0)
+    zeros.kind, zeros.layer = "grad", "layer1.weight"
+    bomb = wire.dumps(zeros, compress="always")
+    assert len(bomb) < bound < 100_000
+
+    def no_decompress(*args):
+        raise AssertionError("decompressed a buffer whose declared size is over the limit")
+
+    monkeypatch.setattr(wire.blosc, "decompress", no_decompress)
+    with pytest.raises(WireError, match="declare 16777216 decoded bytes"):
+        wire.loads(bomb, max_bytes=bound)
+
+
 VALID = [wire.dumps(_message(spec, (33, 17)), compress="always") for spec in SPECS]
 
 
@@ -138,9 +172,11 @@ def test_fuzz_mutated_messages_only_raise_wire_error(which, flips, cut):
 
 
 def test_fuzzed_messages_raise_only_wire_error():
-    """Bit flips, truncations, insertions, random bytes and fields of the wrong type, in valid
-    messages of every codec: ``loads`` raises WireError and nothing else, and memory stays flat.
-    10^5 messages here; PSGRAD_FUZZ_MESSAGES=1000000 for a longer run."""
+    """Bit flips, truncations, insertions, random bytes, fields of the wrong type and size bombs
+    (huge shapes, params), in valid messages of every codec: ``loads`` raises WireError and nothing
+    else, and memory stays flat. Half the messages are read as a receiver does (its bound and the
+    layer's shape) and, if accepted, decoded. 10^5 messages here; PSGRAD_FUZZ_MESSAGES=1000000 for
+    a longer run."""
     import os
     import random
     import resource
@@ -151,8 +187,9 @@ def test_fuzzed_messages_raise_only_wire_error():
         for compress in ("auto", "always"):
             msg = make_codec(spec).encode(torch.randn(12, 10), seed=1)
             msg.kind, msg.layer = "grad", "w"
-            valid.append(wire.dumps(msg, compress=compress))
+            valid.append((wire.dumps(msg, compress=compress), wire.max_message_bytes(spec, (12, 10), "w")))
     weird = [None, [], [1], {}, {"a": 1}, -1, 2**63, 1.5, "x", b"x", True, [[1]]]
+    huge = [[1 << 31], [1 << 28], [1 << 16, 1 << 15], [120, 1 << 20]]
 
     def mutate(buf: bytes) -> bytes:
         b, r = bytearray(buf), rng.random()
@@ -166,21 +203,35 @@ def test_fuzzed_messages_raise_only_wire_error():
             b[i:i] = rng.randbytes(rng.randint(1, 8))
         elif r < 0.55:
             b = bytearray(rng.randbytes(rng.randint(0, 64)))
-        else:
+        elif r < 0.8:
             header = msgpack.unpackb(bytes(b), raw=False)
             target = header
             if rng.random() < 0.5 and header["arrays"]:
                 target = header["arrays"][rng.choice(list(header["arrays"]))]
             target[rng.choice(list(target))] = rng.choice(weird)
             b = bytearray(msgpack.packb(header, use_bin_type=True))
+        else:  # size bombs: a huge layer shape, array shape or codec parameter
+            header = msgpack.unpackb(bytes(b), raw=False)
+            if rng.random() < 0.4:
+                header["shape"] = rng.choice(huge)
+            elif rng.random() < 0.5 and header["arrays"]:
+                header["arrays"][rng.choice(list(header["arrays"]))]["s"] = rng.choice(huge)
+            else:
+                header["params"] = {k: rng.choice([1e-12, 1e12, 1 << 30, 0]) for k in header["params"]}
+            b = bytearray(msgpack.packb(header, use_bin_type=True))
         return bytes(b)
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     others = []
-    for _ in range(int(os.environ.get("PSGRAD_FUZZ_MESSAGES", 100_000))):
-        buf = mutate(rng.choice(valid))
+    for i in range(int(os.environ.get("PSGRAD_FUZZ_MESSAGES", 100_000))):
+        original, bound = rng.choice(valid)
+        buf = mutate(original)
         try:
-            wire.loads(buf)
+            if i % 2:
+                wire.loads(buf)
+            else:
+                msg = wire.loads(buf, max_bytes=bound, shape=(12, 10))
+                make_codec(msg.codec, **msg.params).decode(msg)
         except WireError:
             pass
         except Exception as err:  # the failure this test exists to catch

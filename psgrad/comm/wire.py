@@ -2,8 +2,10 @@
 
 docs/protocol.md is the byte-level specification. ``loads`` trusts nothing: every field is type-
 and range-checked, array lengths must equal shape x itemsize, blosc headers are validated before
-anything is decompressed, and the codec checks its own arrays (index ranges, counts). Any
-malformed input raises ``WireError``; memory use is bounded by ``max_bytes``. Never pickle.
+anything is decompressed, the arrays' declared sizes are summed against ``max_bytes`` first, and
+the codec checks its own arrays (index ranges, counts). Any malformed input raises ``WireError``.
+Memory use is bounded by ``max_bytes`` for the arrays and, when the receiver passes the layer's
+``shape``, by the layer for the decoded tensor. Never pickle.
 """
 
 from __future__ import annotations
@@ -134,19 +136,26 @@ def _check_shape(value: Any, name: str) -> tuple[int, ...]:
     return shape
 
 
-def _unpack_array(name: str, entry: Any) -> torch.Tensor:
+def _declared_array(name: Any, entry: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    """Check an array entry's fields; return its dtype, shape and decoded byte size (nothing
+    is decompressed or allocated yet)."""
+    _check_str(name, "array name", 32)
     if type(entry) is not dict or set(entry) != _ARRAY_KEYS:
         _fail(f"array {name!r} must be a map with keys {sorted(_ARRAY_KEYS)}")
     if type(entry["d"]) is not str or entry["d"] not in ARRAY_DTYPES:
         _fail(f"array {name!r} has dtype {entry['d']!r}; allowed: {', '.join(ARRAY_DTYPES)}")
     np_dtype, _ = ARRAY_DTYPES[entry["d"]]
     shape = _check_shape(entry["s"], f"array {name!r} shape")
-    zipped = _check_int(entry["z"], f"array {name!r} z", 0, 1)
-    data = entry["b"]
-    if type(data) is not bytes:
+    _check_int(entry["z"], f"array {name!r} z", 0, 1)
+    if type(entry["b"]) is not bytes:
         _fail(f"array {name!r} data must be binary")
-    expected = math.prod(shape) * np_dtype.itemsize
-    if zipped:
+    return np_dtype, shape, math.prod(shape) * np_dtype.itemsize
+
+
+def _unpack_array(name: str, entry: dict[str, Any]) -> torch.Tensor:
+    np_dtype, shape, expected = _declared_array(name, entry)
+    data = entry["b"]
+    if entry["z"]:
         # Validate blosc's header before it allocates or decompresses anything.
         if len(data) < 16 or not blosc.cbuffer_validate(data):
             _fail(f"array {name!r}: invalid blosc buffer")
@@ -163,8 +172,19 @@ def _unpack_array(name: str, entry: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def loads(buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """Parse and validate one message; raise ``WireError`` on anything malformed."""
+def loads(
+    buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES, shape: tuple[int, ...] | None = None
+) -> Message:
+    """Parse and validate one message; raise ``WireError`` on anything malformed.
+
+    1. The buffer must be at most ``max_bytes`` long; msgpack parses it with every length capped.
+    2. The header's fields are type- and range-checked; with ``shape`` given (the receiver knows
+       the layer) the message's shape must equal it, so decoding never allocates more than the layer.
+    3. Every array's declared size is checked, and their sum must be at most ``max_bytes``, before
+       any array is decompressed: a small blosc frame cannot claim gigabytes. Receivers pass their
+       receive-buffer bound (``max_message_bytes``), which covers every honest payload.
+    4. Arrays are decompressed (blosc header validated first) and checked against their shapes.
+    5. The codec checks its own arrays (index ranges, counts)."""
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         _fail(f"expected bytes, got {type(buf).__name__}")
     if len(buf) > max_bytes:
@@ -196,12 +216,18 @@ def loads(buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTE
         _fail(f"dtype {header['dtype']!r} is not one of {tuple(GRAD_DTYPES)}")
     if type(header["arrays"]) is not dict or len(header["arrays"]) > 16:
         _fail("arrays must be a map of at most 16 entries")
+    msg_shape = _check_shape(header["shape"], "shape")
+    if shape is not None and msg_shape != tuple(shape):
+        _fail(f"shape {msg_shape} is not the layer's {tuple(shape)}")
+    declared = sum(_declared_array(k, v)[2] for k, v in header["arrays"].items())
+    if declared > max_bytes:
+        _fail(f"arrays declare {declared} decoded bytes, more than the limit of {max_bytes}")
     msg = Message(
         codec=_check_str(header["codec"], "codec", 32),
         params=_check_scalars(header["params"], "params"),
-        shape=_check_shape(header["shape"], "shape"),
+        shape=msg_shape,
         dtype=header["dtype"],
-        arrays={_check_str(k, "array name", 32): _unpack_array(k, v) for k, v in header["arrays"].items()},
+        arrays={k: _unpack_array(k, v) for k, v in header["arrays"].items()},
         seed=_check_int(header["seed"], "seed", 0, 2**64 - 1),
         kind=header["kind"],
         step=_check_int(header["step"], "step", 0, 2**63 - 1),

@@ -214,7 +214,10 @@ class ServerBase:
         del self.pending[handle.key]
         kind = handle.key[0]
         try:
-            msg = wire.loads(handle.payload(), max_bytes=len(handle.buffer))
+            shape = (
+                self.layers[handle.key[2]].shape if kind == "grad" else (handle.key[2],) if kind == "values" else None
+            )
+            msg = wire.loads(handle.payload(), max_bytes=len(handle.buffer), shape=shape)
         except wire.WireError as err:
             raise RuntimeError(f"malformed {kind} message from rank {handle.peer}: {err}") from None
         if msg.sender != handle.peer:

@@ -146,7 +146,7 @@ class Worker:
             self.stats.pull_wait += time.perf_counter() - start
             self.stats.bytes_down += handle.count
             start = time.perf_counter()
-            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index])
+            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
         self._apply_pull(layer, msg, start)
 
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:

@@ -31,6 +31,7 @@ from ..comm.protocol import (
     encode_gradient,
     layer_grad,
     load_buffers_vector,
+    upload_bound,
 )
 from ..comm.transport import Handle
 from ..context import Role, RunContext
@@ -67,6 +68,7 @@ class PeerRole(Role):
         self.doing = "starting"
         self.step_index = 0
         self.gate = GradientGate(self.layers)
+        self.bounds = [upload_bound(self.feedback, layer) for layer in self.layers]
         self.first = self.last = time.perf_counter()
         self._hooks = []
         if self.cfg.granularity == "layer":
@@ -101,6 +103,7 @@ class PeerRole(Role):
             if entry.bytes_handle is None:
                 if not (entry.sizes_handle.wait() if block else entry.sizes_handle.test()):
                     break  # bytes collectives must start in layer order on every rank
+                self._check_sizes(self.layers[entry.index], entry.sizes)
                 entry.bytes_handle, entry.data, entry.offsets = self.bytes_comm.iallgatherv_bytes(
                     self.ready[entry.index], entry.sizes
                 )
@@ -110,13 +113,24 @@ class PeerRole(Role):
                 self._decode(self.layers[entry.index], entry)
         self.inflight = [e for e in self.inflight if e.bytes_handle is None or not e.bytes_handle.done]
 
+    def _check_sizes(self, layer: Layer, sizes: np.ndarray) -> None:
+        """No rank may make the others allocate more than any honest message of the layer."""
+        for peer, size in enumerate(sizes.tolist()):
+            if size > self.bounds[layer.index]:
+                raise RuntimeError(
+                    f"alltoall: rank {peer} announced {size} bytes for {layer.name!r}, more than any message of it ({self.bounds[layer.index]})"
+                )
+
     def _decode(self, layer: Layer, entry: _Exchange) -> None:
         start = time.perf_counter()
         view = memoryview(entry.data)
         acc = self.acc[layer.index]
         for peer in range(self.size):
             begin, size = int(entry.offsets[peer]), int(entry.sizes[peer])
-            msg = wire.loads(view[begin : begin + size])
+            try:
+                msg = wire.loads(view[begin : begin + size], max_bytes=self.bounds[layer.index], shape=layer.shape)
+            except wire.WireError as err:
+                raise RuntimeError(f"alltoall: malformed message from rank {peer}: {err}") from None
             if msg.kind != "grad" or msg.layer != layer.name or msg.step != self.step_index or msg.sender != peer:
                 raise RuntimeError(
                     f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step_index}"
