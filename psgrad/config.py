@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .codecs import make_codec
-from .comm.protocol import LAYOUTS, TOPOLOGIES
+from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES
 from .data import DATASETS
 from .feedback import FEEDBACKS
 
@@ -38,6 +38,7 @@ class RunConfig:
     push: str = "backward"
     bucket_vectors: bool = True
     serve_thread: bool = False
+    on_nonfinite: str = "abort"
     # optimisation
     optimizer: str = "sgd"
     lr: float = 0.1
@@ -100,6 +101,10 @@ class RunConfig:
         need(
             not self.serve_thread or LAYOUTS.get(self.topology) == "colocated",
             "--serve-thread is for --topology colocated (a server rank of ps serves all the time anyway)",
+        )
+        need(
+            self.on_nonfinite in NONFINITE_POLICIES,
+            f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}",
         )
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(

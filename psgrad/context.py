@@ -8,20 +8,19 @@ context, so no role wires up a model, codec, feedback or checkpoint path of its 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from . import checkpoint
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
-from .comm.transport import Transport
+from .comm.transport import Idle, Transport
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
@@ -212,8 +211,10 @@ class RunContext:
         return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
 
     def is_checkpoint_step(self, step: int) -> bool:
+        """Every ``--checkpoint-every`` steps, and after the last step whenever there is a log dir."""
         every = self.cfg.checkpoint_every
-        return every > 0 and (step + 1) % every == 0 and step + 1 < self.total
+        last = step + 1 == self.total and self.cfg.log_dir is not None
+        return last or (every > 0 and (step + 1) % every == 0 and step + 1 < self.total)
 
     def evaluate(self, model: nn.Module, step: int) -> dict:
         """One eval.csv row: ``model`` evaluated on the test set after ``step``."""
@@ -238,30 +239,33 @@ class RunContext:
         }
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_path(self, step: int) -> Path:
-        return Path(self.cfg.log_dir or "checkpoints") / f"ckpt-step{step}" / f"rank{self.rank}.pt"
+    def save_checkpoint(self, step: int, state: dict, idle: Idle | None = None) -> None:
+        """Every rank writes its file (atomically); once all have (one allreduce, serving meanwhile
+        through ``idle``), rank 0 writes the marker that makes the checkpoint complete."""
+        directory = checkpoint.step_dir(self.cfg.log_dir or "checkpoints", step)
+        checkpoint.save_rank_state(directory, self.rank, {"step": step, **state})
+        written = self.transport.allreduce_sum([1], idle)[0]
+        if self.rank == 0 and written == self.transport.size:
+            checkpoint.mark_complete(directory, step, self.transport.size)
 
-    def save_checkpoint(self, step: int, state: dict) -> None:
-        """Atomic: write a temporary file, then rename it over the final name."""
-        path = self.checkpoint_path(step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, **state}, tmp)
-        os.replace(tmp, path)
+    def save_model(self) -> None:
+        """``model.pt`` in the log dir, from the first worker's model after its last pull: the
+        servers' final values, and that worker's BatchNorm statistics."""
+        if self.cfg.log_dir and self.rank == self.layout.worker_ranks[0]:
+            path = checkpoint.save_model(self.cfg.log_dir, self.model)
+            print(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))", file=sys.stderr)
 
     def _load_resume(self) -> dict | None:
         cfg = self.cfg
         if not cfg.resume:
             return None
-        path = Path(cfg.resume) / f"rank{self.rank}.pt"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"--resume {cfg.resume}: no {path.name} for rank {self.rank} (was the run started with the same number of ranks?)"
-            )
-        state = torch.load(path, weights_only=True)
+        directory = checkpoint.resolve(cfg.resume)
+        state = checkpoint.load_rank_state(directory, self.rank, self.transport.size)
         steps = self.transport.allreduce_sum([int(state["step"]), 1])
         if steps[0] != int(state["step"]) * steps[1]:
-            raise RuntimeError(f"--resume {cfg.resume}: the ranks' checkpoint files are from different steps")
+            raise checkpoint.CheckpointError(
+                f"--resume {directory}: the ranks' checkpoint files are from different steps"
+            )
         return state
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .comm.protocol import TOPOLOGIES
+from .comm.protocol import NONFINITE_POLICIES, TOPOLOGIES
 from .config import RunConfig
 from .data import DATASETS
 from .models import MODELS
@@ -113,6 +113,13 @@ RUN_OPTIONS = [
         "colocated: also serve this rank's shard from a helper thread, not only between the worker's hooks "
         "and inside its waits (measured slower on 2 cores, docs/benchmarks.md).",
     ),
+    (
+        "--on-nonfinite",
+        "on_nonfinite",
+        click.Choice(list(NONFINITE_POLICIES)),
+        "A NaN or Inf in a gradient or a server's sum: abort the job naming the step, rank and layer, or "
+        "skip: drop that layer's update at that step on every rank (counted in metrics.csv's nonfinite).",
+    ),
     ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
     ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
     ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),
@@ -174,12 +181,17 @@ RUN_OPTIONS = [
     ),
     ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
     ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),
-    ("--checkpoint-every", "checkpoint_every", click.IntRange(min=0), "Write a checkpoint every N steps (0: never)."),
+    (
+        "--checkpoint-every",
+        "checkpoint_every",
+        click.IntRange(min=0),
+        "Write a checkpoint every N steps (0: never); with --log-dir the last step always writes one, and model.pt.",
+    ),
     (
         "--resume",
         "resume",
         click.Path(exists=True, file_okay=False),
-        "Continue from a checkpoint directory (LOG_DIR/ckpt-stepN).",
+        "Continue from a log dir (its newest complete checkpoint) or from one LOG_DIR/ckpt-stepN.",
     ),
 ]
 

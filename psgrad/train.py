@@ -83,6 +83,7 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
         if ctx.is_checkpoint_step(step):
             ctx.save_checkpoint(step + 1, role.state_dict())
     rows = role.finish()
+    ctx.save_model()
     result = RunResult(role.name, ctx.rank, ctx.total, params=role.params())
     if log:
         for row in rows:

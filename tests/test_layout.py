@@ -55,6 +55,7 @@ FLOORS = [
     (0, ["psgrad.codecs", "psgrad.models", "psgrad.data"]),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
+    (2, ["psgrad.checkpoint"]),
     (3, ["psgrad.context"]),
     (4, ["psgrad.engine"]),
     (5, ["psgrad.roles"]),

@@ -1,5 +1,6 @@
 """Models, data, schedules, plot, resume, and a short WRN run under MPI."""
 
+import json
 import pickle
 import sys
 import tarfile
@@ -165,7 +166,11 @@ def test_bad_settings_are_named():
 def test_resume_equals_uninterrupted(tmp_path, topology, oks):
     proc = run_script("resume.py", str(tmp_path), f"topology={topology}", timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == oks, proc.stdout + proc.stderr[-3000:]
-    assert (tmp_path / "full" / "ckpt-step4" / "rank0.pt").is_file()
+    assert proc.stdout.count("MODEL OK") == 1, proc.stdout
+    for step in (4, 8):
+        assert (tmp_path / "full" / f"ckpt-step{step}" / "rank0.pt").is_file()
+    assert json.loads((tmp_path / "full" / "ckpt-step4" / "COMPLETE").read_text()) == {"step": 4, "ranks": 3}
+    assert (tmp_path / "resumed" / "ckpt-step8" / "COMPLETE").is_file()  # the resumed run's final checkpoint
 
 
 def test_short_wrn_run_beats_chance_and_plots(tmp_path):

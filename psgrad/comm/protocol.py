@@ -209,13 +209,59 @@ def message_seed(run_seed: int, step: int, layer: int, stream: int) -> int:
 _EXACT = make_codec("none")
 
 
+NONFINITE_POLICIES = ("abort", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """A gradient or a server's sum holds NaN or Inf (``--on-nonfinite abort``)."""
+
+
+def nonfinite_text(values: torch.Tensor, what: str) -> str | None:
+    """None when every value is finite, else a sentence for the error.
+
+    One reduction, no temporary: NaN and Inf propagate through a sum (a finite sum that overflows
+    counts too: the values are then too large to train on anyway)."""
+    if bool(torch.isfinite(values.sum())):
+        return None
+    bad = values.numel() - int(torch.isfinite(values).sum())
+    return f"{what} has {bad} NaN/Inf values of {values.numel()} (lower --lr, or --on-nonfinite skip)"
+
+
+def skip_update(total: torch.Tensor, what: str, policy: str, marked: bool = False) -> bool:
+    """Whether a layer stays as it is this step: a sender marked its gradient skipped, or the
+    summed gradient ``total`` is not finite (with policy abort that raises NonFiniteError)."""
+    if marked:
+        return True
+    problem = nonfinite_text(total, what)
+    if problem is not None and policy == "abort":
+        raise NonFiniteError(problem)
+    return problem is not None
+
+
 def encode_gradient(
-    feedback: NoFeedback, layer: Layer, grad: torch.Tensor, step: int, sender: int, stream: int, run_seed: int
+    feedback: NoFeedback,
+    layer: Layer,
+    grad: torch.Tensor,
+    step: int,
+    sender: int,
+    stream: int,
+    run_seed: int,
+    on_nonfinite: str = "abort",
 ) -> Message:
     """Feedback -> codec for one layer's gradient: the message a worker sends (an uncompressed
-    layer skips feedback and codec: it goes exact)."""
+    layer skips feedback and codec: it goes exact).
+
+    A non-finite gradient never reaches the feedback (its memory would stay NaN for good):
+    ``abort`` raises NonFiniteError; ``skip`` sends exact zeros marked ``meta["skip"]`` and every
+    receiver leaves the layer as it is for this step."""
     grad = grad.detach().reshape(layer.shape)
-    if layer.compress:
+    problem = nonfinite_text(grad, f"step {step}: rank {sender}'s gradient of {layer.name!r}")
+    if problem is not None:
+        if on_nonfinite == "abort":
+            raise NonFiniteError(problem)
+        msg = _EXACT.encode(torch.zeros_like(grad))
+        msg.meta["skip"] = 1
+    elif layer.compress:
         msg = feedback.encode(layer.name, grad, message_seed(run_seed, step, layer.index, stream))
     else:
         msg = _EXACT.encode(grad)
@@ -289,9 +335,12 @@ class StepStats:
     bytes_up: int = 0
     bytes_down: int = 0
     step_time: float = 0.0
+    nonfinite: int = 0  # layers this worker sent as skipped (--on-nonfinite skip)
 
 
 TIME_KEYS = tuple(
-    f.name for f in fields(StepStats) if f.name not in ("step", "loss", "bytes_up", "bytes_down", "step_time")
+    f.name
+    for f in fields(StepStats)
+    if f.name not in ("step", "loss", "bytes_up", "bytes_down", "step_time", "nonfinite")
 )
 """The phases of a step, in order (the bench's breakdown columns)."""

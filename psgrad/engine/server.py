@@ -45,6 +45,7 @@ from ..comm.protocol import (
     copy_flat_into,
     layer_tag,
     message_seed,
+    skip_update,
     tensor_message,
     upload_bound,
 )
@@ -270,7 +271,12 @@ class ServerBase:
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         raise NotImplementedError
 
-    def _apply(self, layer: Layer, grad: torch.Tensor, step: int) -> None:
+    def _apply(self, layer: Layer, grad: torch.Tensor, step: int, skip: bool = False) -> None:
+        """One optimizer update of ``layer``, unless a worker marked its gradient skipped or the sum
+        is not finite (``--on-nonfinite``: abort names the step and layer; skip leaves it as is)."""
+        what = f"step {step}: the gradient sum of {layer.name!r} on server rank {self.rank}"
+        if skip_update(grad, what, self.cfg.on_nonfinite, skip):
+            return
         start = time.perf_counter()
         lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
         self.optimizer.step(layer.name, self.values[layer.index], grad, lr)
@@ -376,6 +382,7 @@ class SyncServer(ServerBase):
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.owned}
         self.count = {layer.index: 0 for layer in self.owned}  # workers summed in so far, in order
         self.held: dict[int, dict[int, Message]] = {layer.index: {} for layer in self.owned}
+        self.skipping: set[int] = set()  # layers of this step a worker marked skipped (non-finite)
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         self._check_grad(worker, layer, msg, self.layer_step[layer.index])
@@ -384,11 +391,14 @@ class SyncServer(ServerBase):
         start = time.perf_counter()
         while self.count[layer.index] < self.num_workers and self.workers[self.count[layer.index]] in held:
             ready = held.pop(self.workers[self.count[layer.index]])
+            if ready.meta.get("skip"):
+                self.skipping.add(layer.index)
             self._codec(ready).decode_add(ready, self.acc[layer.index], alpha=1.0 / self.num_workers)
             self.count[layer.index] += 1
         self.times["decode"] += time.perf_counter() - start
         if self.count[layer.index] == self.num_workers:
-            self._apply(layer, self.acc[layer.index], msg.step)
+            self._apply(layer, self.acc[layer.index], msg.step, skip=layer.index in self.skipping)
+            self.skipping.discard(layer.index)
             self.acc[layer.index].zero_()
             self.count[layer.index] = 0
             self.layer_step[layer.index] += 1
@@ -419,7 +429,7 @@ class AsyncServer(ServerBase):
         grad = torch.zeros(layer.numel)
         self._codec(msg).decode_add(msg, grad, alpha=1.0 / self.num_workers)
         self.times["decode"] += time.perf_counter() - start
-        self._apply(layer, grad, msg.step)
+        self._apply(layer, grad, msg.step, skip=bool(msg.meta.get("skip")))
         self.worker_count[worker] += 1
         if self.worker_count[worker] == len(self.owned):
             self.worker_count[worker] = 0

@@ -190,7 +190,10 @@ class Worker:
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
         """Encode ``grad`` of ``layer`` (feedback -> codec) and send it to its server."""
         start = time.perf_counter()
-        msg = encode_gradient(self.feedback, layer, grad, self.step, self.rank, self.stream, self.cfg.seed)
+        msg = encode_gradient(
+            self.feedback, layer, grad, self.step, self.rank, self.stream, self.cfg.seed, self.cfg.on_nonfinite
+        )
+        self.stats.nonfinite += int(bool(msg.meta.get("skip")))
         self.sent.add(layer.index)
         if self._is_local(layer.owner):
             self.stats.encode += time.perf_counter() - start

@@ -31,6 +31,7 @@ from ..comm.protocol import (
     encode_gradient,
     layer_grad,
     load_buffers_vector,
+    skip_update,
     upload_bound,
 )
 from ..comm.transport import Handle
@@ -87,7 +88,10 @@ class PeerRole(Role):
 
     def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
         start = time.perf_counter()
-        msg = encode_gradient(self.feedback, layer, grad, self.step_index, self.rank, self.rank, self.cfg.seed)
+        msg = encode_gradient(
+            self.feedback, layer, grad, self.step_index, self.rank, self.rank, self.cfg.seed, self.cfg.on_nonfinite
+        )
+        self.stats.nonfinite += int(bool(msg.meta.get("skip")))
         self.ready[layer.index] = wire.dumps(msg)
         self.stats.encode += time.perf_counter() - start
         self.stats.bytes_up += len(self.ready[layer.index]) * (self.size - 1)
@@ -136,6 +140,8 @@ class PeerRole(Role):
                     f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step_index}"
                 )
             make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
+            if msg.meta.get("skip"):
+                self.skipping.add(layer.index)
         self.stats.decode += time.perf_counter() - start
         self.stats.bytes_down += int(entry.sizes.sum()) - len(self.ready[layer.index])
 
@@ -146,6 +152,7 @@ class PeerRole(Role):
         self.inflight: list[_Exchange] = []
         self.next = 0
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.layers}
+        self.skipping: set[int] = set()  # layers a rank marked skipped (non-finite) this step
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
         self.model.train()
@@ -165,6 +172,9 @@ class PeerRole(Role):
         lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
         with torch.no_grad():
             for layer in self.layers:
+                what = f"step {step}: the gradient sum of {layer.name!r} on rank {self.rank}"
+                if skip_update(self.acc[layer.index], what, self.cfg.on_nonfinite, layer.index in self.skipping):
+                    continue
                 values = torch.cat([self.params_by_name[n].detach().reshape(-1) for n in layer.params])
                 self.optimizer.step(layer.name, values, self.acc[layer.index], lr)
                 copy_flat_into(self.params_by_name, layer.params, values)
@@ -192,6 +202,7 @@ class PeerRole(Role):
             "wall": now - self.first,
             "lr": learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size),
             "step_time": sums["step_time"] / self.size,
+            "nonfinite": int(sums["nonfinite"]),
             **{k: sums[k] / self.size for k in TIME_KEYS},
         }
         self.last = now

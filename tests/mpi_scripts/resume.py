@@ -1,10 +1,15 @@
 """Under mpiexec: 8 uninterrupted steps == resuming for steps 4..7 from the checkpoint at step 4.
 
+The final checkpoint (step 8) is made incomplete first (its marker removed, as if the job had
+been cut off while writing it), and the resume names only the log dir: it must pick step 4.
+The first worker also checks that model.pt holds its final parameters.
 Extra arguments key=value (strings) go into the config, e.g. topology=colocated."""
 
+import os
 import sys
 
 import torch
+from mpi4py import MPI
 
 from psgrad.config import RunConfig
 from psgrad.train import run
@@ -23,7 +28,17 @@ kw = dict(
     **extra,
 )
 full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every=4))
-resumed = run(RunConfig(**kw, log_dir=f"{base}/resumed", resume=f"{base}/full/ckpt-step4"))
+MPI.COMM_WORLD.Barrier()
+if full.rank == 0:
+    os.remove(f"{base}/full/ckpt-step8/COMPLETE")
+MPI.COMM_WORLD.Barrier()
+resumed = run(RunConfig(**kw, log_dir=f"{base}/resumed", resume=f"{base}/full"))
+first_worker = 1 if kw.get("topology", "ps") == "ps" else 0
+if full.rank == first_worker:
+    saved = torch.load(f"{base}/full/model.pt", weights_only=True)
+    for name, p in full.params.items():
+        torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=name)
+    print(f"MODEL OK rank {full.rank}", flush=True)
 if full.role != "server":
     for name, p in full.params.items():
         torch.testing.assert_close(resumed.params[name], p, rtol=0, atol=0, msg=name)

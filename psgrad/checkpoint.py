@@ -1,0 +1,112 @@
+"""Checkpoints on disk: per-rank state files, a marker that says a checkpoint is complete, and the
+trained model as a plain state_dict.
+
+Layout under the log directory:
+- ``ckpt-stepN/rankR.pt``: rank R's state after N steps (``torch.save`` of tensors and plain
+  values; read back with ``weights_only=True``);
+- ``ckpt-stepN/COMPLETE``: JSON ``{"step": N, "ranks": P}``, written last, once every rank's file
+  is in place. A checkpoint without it was cut off while being written and is never resumed from;
+- ``model.pt``: the final model's ``state_dict()``, loadable without psgrad.
+
+Every write goes to a temporary name first and is renamed over the final one, so a file is either
+absent or whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"ckpt-step(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the text says which file and what to do."""
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def step_dir(log_dir: str | Path, step: int) -> Path:
+    return Path(log_dir) / f"ckpt-step{step}"
+
+
+def save_rank_state(directory: Path, rank: int, state: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    _atomic_save(state, directory / f"rank{rank}.pt")
+
+
+def mark_complete(directory: Path, step: int, ranks: int) -> None:
+    """Called once every rank's file is written (the caller synchronizes the ranks first)."""
+    tmp = directory / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "ranks": ranks}))
+    os.replace(tmp, directory / MARKER)
+
+
+def save_model(log_dir: str | Path, model: torch.nn.Module) -> Path:
+    path = Path(log_dir) / "model.pt"
+    _atomic_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+def _marker(directory: Path) -> dict | None:
+    try:
+        info = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("ranks"), int) else None
+
+
+def resolve(resume: str | Path) -> Path:
+    """The checkpoint directory ``--resume`` names.
+
+    1. A ``ckpt-stepN`` directory: it, if its marker is there.
+    2. Any other directory (a log dir): its newest ``ckpt-stepN`` that has a marker.
+    """
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such directory")
+    if _STEP_DIR.search(path.name):
+        if _marker(path) is None:
+            raise CheckpointError(
+                f"--resume {resume}: this checkpoint is incomplete (no {MARKER} marker: the run was cut off "
+                f"while writing it); resume from {path.parent} to take the newest complete one"
+            )
+        return path
+    complete = [
+        (int(m.group(1)), d) for d in path.iterdir() if (m := _STEP_DIR.search(d.name)) and _marker(d) is not None
+    ]
+    if not complete:
+        raise CheckpointError(f"--resume {resume}: no complete checkpoint (ckpt-stepN/{MARKER}) in this directory")
+    return max(complete)[1]
+
+
+def load_rank_state(directory: Path, rank: int, ranks: int) -> dict:
+    """Rank ``rank``'s state from a complete checkpoint; one-line CheckpointError otherwise."""
+    info = _marker(directory)
+    if info is None:
+        raise CheckpointError(f"{directory}: incomplete checkpoint (no {MARKER} marker)")
+    if info["ranks"] != ranks:
+        raise CheckpointError(
+            f"{directory} was written by {info['ranks']} ranks; this job has {ranks} (start it with -n {info['ranks']})"
+        )
+    path = directory / f"rank{rank}.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing, although {directory} is marked complete (was a file deleted?)")
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001  torch raises many types; its text suggests unsafe loading
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint ({type(err).__name__}): the file is corrupt"
+        ) from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path}: not a psgrad checkpoint (no step)")
+    return state

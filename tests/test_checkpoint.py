@@ -1,0 +1,72 @@
+"""Checkpoints: complete only with their marker, the newest complete one resumed, one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from psgrad import checkpoint
+from psgrad.checkpoint import CheckpointError
+
+
+def _write(log, step, ranks=3, complete=True):
+    directory = checkpoint.step_dir(log, step)
+    for rank in range(ranks):
+        checkpoint.save_rank_state(directory, rank, {"step": step, "w": torch.full((2,), float(rank))})
+    if complete:
+        checkpoint.mark_complete(directory, step, ranks)
+    return directory
+
+
+def test_log_dir_resumes_the_newest_complete_checkpoint(tmp_path):
+    _write(tmp_path, 4)
+    _write(tmp_path, 12)
+    _write(tmp_path, 16, complete=False)  # cut off while writing
+    assert checkpoint.resolve(tmp_path).name == "ckpt-step12"
+    state = checkpoint.load_rank_state(checkpoint.resolve(tmp_path), 2, 3)
+    assert state["step"] == 12 and state["w"].tolist() == [2.0, 2.0]
+    assert json.loads((tmp_path / "ckpt-step12" / "COMPLETE").read_text()) == {"step": 12, "ranks": 3}
+
+
+def test_incomplete_checkpoint_is_refused_with_the_way_out(tmp_path):
+    directory = _write(tmp_path, 8, complete=False)
+    with pytest.raises(CheckpointError, match="incomplete.*resume from"):
+        checkpoint.resolve(directory)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        checkpoint.resolve(tmp_path)
+
+
+def test_rank_count_mismatch_names_the_right_count(tmp_path):
+    directory = _write(tmp_path, 8, ranks=5)
+    with pytest.raises(CheckpointError, match="written by 5 ranks; this job has 3 .*-n 5"):
+        checkpoint.load_rank_state(directory, 0, 3)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 10, bytes(range(256)) * 8, b"PK\x03\x04garbage"])
+def test_corrupt_file_is_one_clear_line_never_suggesting_unsafe_loading(tmp_path, content):
+    directory = _write(tmp_path, 8)
+    (directory / "rank1.pt").write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load_rank_state(directory, 1, 3)
+    text = str(err.value)
+    assert "rank1.pt" in text and "corrupt" in text and "\n" not in text
+    assert "weights_only" not in text
+
+
+def test_a_pickled_object_is_not_loaded(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    directory = _write(tmp_path, 8)
+    torch.save({"step": 8, "x": Evil()}, directory / "rank0.pt")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load_rank_state(directory, 0, 3)
+
+
+def test_model_file_loads_without_psgrad(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    path = checkpoint.save_model(tmp_path, model)
+    fresh = torch.nn.Linear(3, 2)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(fresh.weight, model.weight)

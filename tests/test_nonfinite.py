@@ -1,0 +1,74 @@
+"""--on-nonfinite: a NaN/Inf gradient aborts naming step, rank and layer, or is skipped everywhere."""
+
+import csv
+import math
+import re
+import sys
+
+import pytest
+import torch
+from conftest import run_mpi
+
+from psgrad.codecs import make_codec
+from psgrad.comm.protocol import Layer, NonFiniteError, encode_gradient, skip_update
+from psgrad.feedback import make_feedback
+
+LAYER = Layer(3, "fc.weight", (4, 5), ("fc.weight",), owner=0)
+
+
+def test_nonfinite_gradient_aborts_naming_step_rank_and_layer():
+    grad = torch.randn(4, 5)
+    grad[1, 2] = float("nan")
+    grad[3, 0] = float("inf")
+    feedback = make_feedback("ef", make_codec("sign"))
+    with pytest.raises(NonFiniteError, match=r"step 7: rank 2's gradient of 'fc.weight' has 2 NaN/Inf values of 20"):
+        encode_gradient(feedback, LAYER, grad, step=7, sender=2, stream=1, run_seed=0)
+
+
+def test_skip_sends_marked_zeros_and_leaves_the_feedback_memory_alone():
+    feedback = make_feedback("ef", make_codec("sign"))
+    encode_gradient(feedback, LAYER, torch.randn(4, 5), 0, 2, 1, 0, "skip")  # a residual to keep
+    before = {k: v.clone() for k, v in feedback.state_dict().items()}
+    msg = encode_gradient(feedback, LAYER, torch.full((4, 5), float("nan")), 1, 2, 1, 0, "skip")
+    assert msg.meta["skip"] == 1 and msg.codec == "none" and msg.kind == "grad" and msg.step == 1
+    assert torch.equal(make_codec("none").decode(msg), torch.zeros(4, 5))
+    after = feedback.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_sum_that_overflows_is_caught_too():
+    total = torch.tensor([3e38, 3e38])  # finite values whose sum is inf
+    assert not skip_update(torch.ones(2), "x", "abort")
+    assert skip_update(torch.ones(2), "x", "abort", marked=True)
+    assert skip_update(total, "x", "skip")
+    with pytest.raises(NonFiniteError):
+        skip_update(total, "x", "abort")
+
+
+def _train(tmp_path, *extra):
+    args = ["--model", "mlp", "--dataset", "synthetic", "--steps", "30", "--lr", "1e6", "--no-progress"]
+    proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args, "--log-dir", str(tmp_path), *extra], timeout=180)
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return proc, rows
+
+
+@pytest.mark.parametrize("topology", ["ps", "alltoall"])
+def test_huge_lr_aborts_within_the_step(tmp_path, topology):
+    proc, rows = _train(tmp_path, "--topology", topology)
+    assert proc.returncode != 0
+    found = re.search(r"NonFiniteError while .*?step (\d+): rank (\d)'s gradient of '([\w.]+)'", proc.stderr)
+    assert found, proc.stderr[-3000:]
+    step = int(found.group(1))
+    # no step after the bad one was trained, and no non-finite loss was ever logged
+    assert rows and all(int(r["step"]) < step for r in rows)
+    assert all(math.isfinite(float(r["loss"])) for r in rows)
+
+
+@pytest.mark.parametrize("topology,mode", [("ps", "sync"), ("ps", "async"), ("alltoall", "sync"), ("colocated", "sync")])
+def test_skip_drops_the_updates_and_counts_them(tmp_path, topology, mode):
+    proc, rows = _train(tmp_path, "--on-nonfinite", "skip", "--topology", topology, "--mode", mode)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(rows) == 30 and sum(int(r["nonfinite"]) for r in rows) > 0
+    model = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in model.values()), "a skipped update reached the parameters"
