@@ -61,6 +61,7 @@ class RunConfig:
     device: str = "cpu"
     threads: int = 1
     seed: int = 0
+    timeout: float = 0.0  # seconds without progress before the job is ended; 0: automatic
     # output
     log_dir: str | None = None
     eval_every: int = 1
@@ -111,6 +112,7 @@ class RunConfig:
             self.schedule in ("constant", "multistep", "cosine"),
             f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
         )
+        need(self.timeout >= 0, f"--timeout must be >= 0 seconds (0: automatic), got {self.timeout}")
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")
         need(self.topology in TOPOLOGIES, f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")

@@ -162,6 +162,13 @@ RUN_OPTIONS = [
     ("--threads", "threads", click.IntRange(min=1), "torch threads per rank."),
     ("--seed", "seed", int, "Seed of the model, data order, augmentation and codec randomness."),
     (
+        "--timeout",
+        "timeout",
+        click.FloatRange(min=0),
+        "Seconds a rank may stay silent (stopped, dead, cut off), or every rank may wait, before the job "
+        "ends naming the rank; 0: max(60, 10 x the slowest step so far).",
+    ),
+    (
         "--log-dir",
         "log_dir",
         click.Path(file_okay=False),

@@ -9,6 +9,7 @@ is aborted (no hangs).
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.transport import Transport
+from .comm.protocol import RankLayout
+from .comm.transport import PeerFailure, Transport
+from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
 from .context import LossFn, RunContext
 from .roles import ROLES
@@ -53,15 +56,25 @@ def run(
     cfg.validate()
     transport = transport or Transport()
     where: dict = {}
+
+    def report() -> Report:
+        role = where.get("role")
+        return Report(where.get("step", -1), role.doing if role else "setting up", where.get("slowest", 0.0))
+
+    layout = RankLayout(transport.size, cfg.servers, cfg.topology)
+    watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
     try:
-        return _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport, where)
+        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport, where)
     except BaseException as err:
-        doing = where["role"].doing if "role" in where else "setting up"
-        print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}", file=sys.stderr)
+        print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         if transport.size > 1:
+            if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
+                watchdog.claim(f"{type(err).__name__}: {err}")
             transport.abort(1)
         raise
+    watchdog.stop()
+    return result
 
 
 def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, where: dict) -> RunResult:
@@ -72,7 +85,9 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
     log = ctx.log  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):
+        where["step"], started = step, time.monotonic()
         rows = role.step(step)
+        where["slowest"] = max(where.get("slowest", 0.0), time.monotonic() - started)
         if log:
             for row in rows:
                 log.step(row)

@@ -65,7 +65,9 @@ def test_huge_lr_aborts_within_the_step(tmp_path, topology):
     assert all(math.isfinite(float(r["loss"])) for r in rows)
 
 
-@pytest.mark.parametrize("topology,mode", [("ps", "sync"), ("ps", "async"), ("alltoall", "sync"), ("colocated", "sync")])
+@pytest.mark.parametrize(
+    "topology,mode", [("ps", "sync"), ("ps", "async"), ("alltoall", "sync"), ("colocated", "sync")]
+)
 def test_skip_drops_the_updates_and_counts_them(tmp_path, topology, mode):
     proc, rows = _train(tmp_path, "--on-nonfinite", "skip", "--topology", topology, "--mode", mode)
     assert proc.returncode == 0, proc.stderr[-3000:]

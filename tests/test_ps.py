@@ -171,21 +171,44 @@ def test_mpmd_server_and_worker_commands():
     assert bad.returncode != 0 and "which is a server rank" in bad.stderr
 
 
-@pytest.mark.parametrize("topology", ["ps", "colocated"])
+# (topology, failing worker index, its rank): the last is rank 0, the watchdog's monitor itself
+FAILING = [("ps", "1", 2), ("colocated", "1", 1), ("colocated", "0", 0)]
+
+
+@pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_failing_worker_ends_the_job_quickly(how, topology):
+def test_failing_worker_ends_the_job_naming_it(how, topology, worker, rank):
     start = time.monotonic()
-    proc = run_script("fault.py", how, topology, timeout=120)
+    proc = run_script("fault.py", how, topology, worker, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    rank, role = (2, "worker") if topology == "ps" else (1, "server\\+worker")
+    named = re.findall(r"\[psgrad sentinel\] rank (\d+) \(", proc.stderr)
     if how == "raise":
         assert f"[psgrad rank {rank}] ValueError while" in proc.stderr and "injected failure" in proc.stderr
-    else:  # MPI names the killed PID; psgrad's start-up line maps it to the rank
-        output = proc.stdout + proc.stderr
-        pid = re.search(rf"{rank}={role}:(\d+)", output).group(1)
-        assert re.search(rf"PID {pid}\b.*|killed.*{pid}", output, re.S | re.I), output[-3000:]
+        assert named == [], "a deliberate abort must not make a sentinel blame the ranks it took down"
+    else:  # mpiexec kills the rest at once and names some PID; the sentinel names the dead rank
+        assert named == [str(rank)], proc.stderr[-3000:]
     assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+
+
+@pytest.mark.parametrize("topology,worker,rank", FAILING)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):
+    start = time.monotonic()
+    proc = run_script("fault.py", "stop", topology, worker, mode, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    verdicts = re.findall(r"\[psgrad watchdog\] rank \d+: no heartbeat from rank (\d+) \((\S+)\)", proc.stderr)
+    assert verdicts and {r for r, _ in verdicts} == {str(rank)}, proc.stderr[-3000:]
+    # --timeout 5 (+ 10 s grace when rank 0 itself is silent) + start-up, well within timeout + 30 s
+    assert elapsed < 5 + 30, f"job took {elapsed:.0f}s to end"
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_job_where_every_rank_waits_is_ended(topology):
+    proc = run_script("fault.py", "hang", topology, timeout=120)
+    assert proc.returncode != 0
+    assert "every rank has been waiting for over 5 s" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,48 @@ Idle = Callable[[], bool]
 """Work to do while a wait has nothing to show (a colocated server's polling); True when it did some."""
 
 
+class PeerFailure(RuntimeError):
+    """An MPI operation with another rank failed: that rank has most likely died. The text names it
+    (its sentinel names it too, comm/sentinel.py)."""
+
+
+def _peer_failure(err: Exception, peer: int | None) -> PeerFailure:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if peer is None:
+        return PeerFailure(f"an operation with another rank failed ({first}): a rank has most likely died")
+    if peer < 0:
+        return PeerFailure(f"a collective operation failed ({first}): one of the ranks has most likely died")
+    return PeerFailure(f"communication with rank {peer} failed ({first}): rank {peer} has most likely died")
+
+
+class WaitClock:
+    """Since when the main thread has been inside a transport wait (None: it is not waiting).
+
+    The watchdog reads it from its own thread: a job whose every rank has been waiting for longer
+    than ``--timeout`` is stuck. Waits on helper threads (serving, the watchdog) do not count."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def __enter__(self) -> None:
+        if self.since is None and threading.current_thread() is threading.main_thread():
+            self._outer = True
+            self.since = time.monotonic()
+        else:
+            self._outer = False
+
+    def __exit__(self, *exc) -> None:
+        if self._outer:
+            self.since = None
+
+    def seconds(self) -> float:
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+WAITING = WaitClock()
+
+
 @dataclass
 class Handle:
     """A pending send, receive or collective; keeps its MPI request and buffer alive until done.
@@ -54,18 +96,24 @@ class Handle:
 
     def test(self) -> bool:
         """True once the operation completed (drives MPI's progress engine)."""
-        if not self.done and self._request.Test(self.status):
-            self._complete()
+        if not self.done:
+            try:
+                finished = self._request.Test(self.status)
+            except MPI.Exception as err:
+                raise _peer_failure(err, self.peer) from None
+            if finished:
+                self._complete()
         return self.done
 
     def wait(self, idle: Idle | None = None, patience: Patience | None = None) -> Handle:
         """Block with back-off until done; ``idle`` runs between tests (its work resets the back-off)."""
         backoff = Backoff(patience or Patience())
-        while not self.test():
-            if idle is not None and idle():
-                backoff.reset()
-            else:
-                backoff.idle()
+        with WAITING:
+            while not self.test():
+                if idle is not None and idle():
+                    backoff.reset()
+                else:
+                    backoff.idle()
         if self.transport is not None:
             self.transport.idle_seconds += backoff.slept
         return self
@@ -142,6 +190,11 @@ class Transport:
         """A transport on a duplicate of this communicator (its own matching space for collectives)."""
         return Transport(self.comm.Dup())
 
+    def free(self) -> None:
+        """Release a communicator made by ``dup`` (collective over its ranks, like ``dup``)."""
+        if self.comm != MPI.COMM_WORLD:
+            self.comm.Free()
+
     def check_tag(self, tag: int) -> None:
         if tag > self.comm.Get_attr(MPI.TAG_UB):
             raise ValueError(f"MPI tag {tag} exceeds this MPI's tag range: too many layers for --granularity layer")
@@ -172,7 +225,12 @@ class Transport:
         while len(pool) < len(handles):
             pool.append(MPI.Status())
         statuses = pool[: len(handles)]  # reused: a poll allocates no Status objects
-        done = MPI.Request.Testsome([h._request for h in handles], statuses)
+        try:
+            done = MPI.Request.Testsome([h._request for h in handles], statuses)
+        except MPI.Exception as err:
+            for handle in handles:  # find the request that failed: its peer is the one to name
+                handle.test()
+            raise _peer_failure(err, None) from None
         if not done:
             return []
         for position, i in enumerate(done):
@@ -193,17 +251,18 @@ class Transport:
             return []
         backoff = Backoff(patience)
         start = time.perf_counter()
-        while True:
-            done = self.test_some(handles)
-            if done or (idle is not None and idle()):
-                self.idle_seconds += backoff.slept
-                return done
-            if all(h._request == MPI.REQUEST_NULL for h in handles):
-                return []
-            if timeout is not None and time.perf_counter() - start > timeout:
-                self.idle_seconds += backoff.slept
-                return []
-            backoff.idle()
+        with WAITING:
+            while True:
+                done = self.test_some(handles)
+                if done or (idle is not None and idle()):
+                    self.idle_seconds += backoff.slept
+                    return done
+                if all(h._request == MPI.REQUEST_NULL for h in handles):
+                    return []
+                if timeout is not None and time.perf_counter() - start > timeout:
+                    self.idle_seconds += backoff.slept
+                    return []
+                backoff.idle()
 
     def wait_all(self, handles: Sequence[Handle], idle: Idle | None = None) -> None:
         for handle in handles:

@@ -134,6 +134,7 @@ class Worker:
             return
         handle = self.pulls.pop(index)
         layer = self.layers[index]
+        doing, self.doing = self.doing, f"step {self.pull_step}: waiting for {layer.name!r} from rank {layer.owner}"
         start = time.perf_counter()
         if handle is None:
             with self.local.lock:
@@ -147,6 +148,7 @@ class Worker:
             self.stats.bytes_down += handle.count
             start = time.perf_counter()
             msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+        self.doing = doing
         self._apply_pull(layer, msg, start)
 
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
@@ -220,6 +222,7 @@ class Worker:
     def run_step(self, step: int) -> StepStats:
         """Train on this worker's batch of ``step`` and report the step to the metrics rank."""
         self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
+        self.doing = f"step {step}: loading the batch"
         images, labels = self.ctx.loader.batch(step)
         stats = self.train_step(step, images, labels)
         self.report(stats)

@@ -1,16 +1,24 @@
-"""Under mpiexec: the worker with index 1 fails at step 3, by exception or by SIGKILL (rank 2
-with the ps topology on 3 ranks, rank 1 with colocated)."""
+"""Under mpiexec: one worker fails at step 3, by exception, SIGKILL, SIGSTOP, or by waiting
+forever for a message nobody sends (hang: every rank ends up waiting).
+
+Arguments: how (raise, kill, stop, hang), topology (ps, colocated), the failing worker's index (default
+1: rank 2 with ps on 3 ranks, rank 1 with colocated), mode (sync, async). The watchdog's timeout
+is 5 s, so a stopped rank must be named within seconds."""
 
 import os
 import signal
 import sys
 
+from psgrad.comm.transport import Transport
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.train import run
 
 how = sys.argv[1]
 topology = sys.argv[2] if len(sys.argv) > 2 else "ps"
+failing = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+mode = sys.argv[4] if len(sys.argv) > 4 else "sync"
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 class FaultyLoader:
@@ -22,11 +30,16 @@ class FaultyLoader:
         self.worker = worker
 
     def batch(self, step):
-        if self.worker == 1 and step == 3:
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+        if self.worker == failing and step == 3:
+            if how in SIGNALS:
+                os.kill(os.getpid(), SIGNALS[how])
+            if how == "hang":
+                Transport().irecv(8, source=0, tag=12345).wait()
             raise ValueError("injected failure in the data loader")
         return self.inner.batch(step)
 
 
-run(RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology), loader_fn=FaultyLoader)
+run(
+    RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5),
+    loader_fn=FaultyLoader,
+)

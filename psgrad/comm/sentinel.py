@@ -1,0 +1,104 @@
+"""Names the rank that died first, when the launcher's cleanup leaves no one else to say it.
+
+When one rank is SIGKILLed (or crashes, or is OOM-killed), mpiexec kills every other rank at
+once, and its own message names whichever process it reaped first — often not the one that died.
+No survivor lives long enough to notice anything. So each rank starts a tiny sentinel process:
+1. The rank holds the write end of the sentinel's stdin; the sentinel blocks reading it.
+2. A rank that ends cleanly writes ``bye`` first; the sentinel exits silently.
+3. A rank that dies closes the pipe without ``bye`` (the kernel closes a dying process's files
+   before its parent, the launcher, hears of the death). The sentinel then claims the job's
+   *first death* file with an exclusive create; only the first claimant prints, naming its rank.
+   The ranks the launcher killed afterwards find the claim taken and stay silent.
+4. A rank that aborts the job deliberately (psgrad's own error or watchdog verdict) claims the
+   file itself before aborting, so the ranks the abort takes down stay silent too.
+
+The claim file lives in the log dir when there is one (shared between nodes on most clusters),
+else in the node's temp dir (then each node may name its own first).
+The sentinel runs this file as a script (stdlib only: no torch, ~10 MB, ~20 ms to start):
+``python -I sentinel.py CLAIM RANK ROLE PID``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_BYE = b"bye\n"
+_ABORT = b"abort\n"
+_TIDY_AFTER = 10.0  # seconds: the other ranks' sentinels check the claim within milliseconds
+
+
+def claim(path: str | Path, text: str) -> bool:
+    """Create ``path`` holding ``text`` unless it exists; True if this call created it."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot coordinate (read-only dir): better a line too many than none
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
+class Sentinel:
+    """The rank's side: start the process, then ``bye()`` on a clean end or ``claim()`` before a
+    deliberate abort."""
+
+    def __init__(self, claim_path: Path, rank: int, role: str) -> None:
+        self.claim_path = claim_path
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), str(claim_path), str(rank), role, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            start_new_session=True,  # the launcher's cleanup kills the rank's process group, not this
+            close_fds=True,
+        )
+
+    def _tell(self, word: bytes) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write(word)
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def bye(self) -> None:
+        self._tell(_BYE)
+
+    def claim(self, reason: str) -> None:
+        """This rank ends the job on purpose: take the claim so no sentinel blames its victims
+        (the sentinel removes the claim file a little later)."""
+        claim(self.claim_path, f"rank {self.rank}: {reason}\n")
+        self._tell(_ABORT)
+
+
+def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
+    data = sys.stdin.buffer.read()  # blocks until the rank closes the pipe, by a word or by dying
+    if data == _BYE:
+        return
+    if data != _ABORT:
+        now = datetime.datetime.now().strftime("%H:%M:%S.%f")
+        if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):
+            return
+        print(
+            f"[psgrad sentinel] rank {rank} ({role}, pid {pid} on {socket.gethostname()}) died without a word at "
+            f"{now}: killed, crashed or out of memory. It died first; mpiexec ended the other ranks after it "
+            "(its own message may name another PID).",
+            file=sys.stderr,
+            flush=True,
+        )
+    time.sleep(_TIDY_AFTER)
+    try:
+        os.unlink(claim_path)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    _watch(*sys.argv[1:5])

@@ -1,0 +1,210 @@
+"""The progress watchdog (``--timeout``): a job that stops making progress ends, naming the rank.
+
+A helper thread on every rank, on its own duplicate communicator:
+1. Every ``period`` seconds it sends a heartbeat: rank 0 (the monitor) to every rank, every other
+   rank to rank 0. A heartbeat is a small msgpack map: the rank's step, what its main thread is
+   doing, how long that thread has been inside a transport wait, and its slowest step so far.
+   A stopped (SIGSTOP), dead or cut-off process sends none: its threads do not run.
+2. Rank 0 aborts the job when a rank sent nothing for the timeout, naming the rank, its role and
+   what it last reported, with what every other rank was waiting for. Every other rank aborts
+   when rank 0 was silent for the timeout plus a grace period (so rank 0's more precise verdict on
+   a silent worker comes first).
+3. Rank 0 also aborts when every rank has been inside a wait for longer than the timeout: each
+   waits for another, so none ever will progress (a rank computing, e.g. evaluating, is not waiting).
+4. The timeout: ``--timeout`` seconds, or by default ``max(FLOOR, FACTOR x the slowest step seen
+   on any rank)``, so a model whose steps take minutes is not cut off, and a hang on a fast model
+   ends within about a minute.
+5. On a clean end each rank says goodbye, and is watched no longer.
+6. A rank that dies outright takes the job down with it at once (the launcher's cleanup), faster
+   than any heartbeat: its sentinel process names it (comm/sentinel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from .sentinel import Sentinel
+from .transport import WAITING, Handle, Transport
+
+FLOOR = 60.0
+FACTOR = 10.0
+GRACE = 10.0  # extra seconds a rank gives rank 0 before naming it
+_TAG = 7
+_MAX_BYTES = 1024
+
+
+@dataclass
+class Report:
+    """What the main thread of this rank is up to (read by the watchdog thread)."""
+
+    step: int = -1
+    doing: str = "setting up"
+    slowest_step: float = 0.0
+
+
+@dataclass
+class _Seen:
+    at: float
+    step: int = -1
+    doing: str = "setting up"
+    waiting: float = 0.0
+    slowest_step: float = 0.0
+
+
+class Watchdog:
+    """Start with ``start()`` on every rank at the same point (it duplicates the communicator);
+    ``stop()`` at the end. ``names(rank)`` gives a rank's role for the messages."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        report: Callable[[], Report],
+        names: Callable[[int], str],
+        timeout: float = 0.0,
+        claim_dir: str | None = None,
+    ) -> None:
+        self.world = transport
+        self.report = report
+        self.names = names
+        self.fixed_timeout = timeout
+        self.rank, self.size = transport.rank, transport.size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="psgrad-watchdog", daemon=True)
+        self.comm: Transport | None = None
+        self.seen: dict[int, _Seen] = {}
+        self.claim_dir = claim_dir
+        self.sentinel: Sentinel | None = None
+
+    # ---------------------------------------------------------------- main thread
+    def start(self) -> Watchdog:
+        if self.size > 1:
+            # one name per job for the sentinels' first-death claim: rank 0's pid and clock
+            job = self.world.broadcast_bytes(f"{os.getpid()}-{time.time_ns()}".encode()).decode()
+            directory = Path(self.claim_dir) if self.claim_dir else Path(tempfile.gettempdir())
+            directory.mkdir(parents=True, exist_ok=True)
+            self.sentinel = Sentinel(directory / f".psgrad-{job}.died", self.rank, self.names(self.rank))
+            self.comm = self.world.dup()
+            now = time.monotonic()
+            peers = range(1, self.size) if self.rank == 0 else [0]
+            self.seen = {r: _Seen(now) for r in peers}
+            self._recvs = [self.comm.irecv(_MAX_BYTES, r, _TAG) for r in peers]
+            self._sends: list[Handle] = []
+            self._thread.start()
+        return self
+
+    def claim(self, reason: str) -> None:
+        """This rank is about to abort the job: its victims' sentinels must not blame them."""
+        if self.sentinel is not None:
+            self.sentinel.claim(reason)
+
+    def stop(self) -> None:
+        """Say goodbye (peers stop watching this rank), then end the thread."""
+        if self.sentinel is not None:
+            self.sentinel.bye()
+        if self.comm is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        for handle in self._recvs:
+            handle.cancel()
+        self._heartbeat(bye=True)
+        deadline = time.monotonic() + 5.0
+        while self._sends and time.monotonic() < deadline:
+            self._sends = self.comm.progress(self._sends)
+            time.sleep(0.001)
+        self.comm.free()
+        self.comm = None
+
+    # ---------------------------------------------------------------- the thread
+    def timeout(self) -> float:
+        if self.fixed_timeout > 0:
+            return self.fixed_timeout
+        slowest = max([self.report().slowest_step, *(s.slowest_step for s in self.seen.values())])
+        return max(FLOOR, FACTOR * slowest)
+
+    def _loop(self) -> None:
+        try:
+            next_beat = 0.0
+            while not self._stop.wait(min(0.25, self.timeout() / 20)):
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._heartbeat()
+                    next_beat = now + min(5.0, self.timeout() / 5)
+                self._receive(now)
+                self._check(time.monotonic())
+        except Exception as err:  # noqa: BLE001  the watchdog must never take a healthy job down silently
+            print(f"[psgrad rank {self.rank}] watchdog stopped: {type(err).__name__}: {err}", file=sys.stderr)
+
+    def _heartbeat(self, bye: bool = False) -> None:
+        mine = self.report()
+        data = msgpack.packb(
+            {
+                "step": mine.step,
+                "doing": mine.doing[:200],
+                "waiting": WAITING.seconds(),
+                "slowest": mine.slowest_step,
+                "bye": bye,
+            }
+        )
+        for peer in self.seen if not bye else (range(1, self.size) if self.rank == 0 else [0]):
+            self._sends.append(self.comm.isend(data, peer, _TAG))
+        self._sends = self.comm.progress(self._sends)
+
+    def _receive(self, now: float) -> None:
+        for i in self.comm.test_some(self._recvs):
+            handle = self._recvs[i]
+            try:
+                beat = msgpack.unpackb(handle.payload(), raw=False, max_str_len=256, max_map_len=8)
+                seen = _Seen(now, int(beat["step"]), str(beat["doing"]), float(beat["waiting"]), float(beat["slowest"]))
+            except Exception:  # noqa: BLE001  a garbled heartbeat still shows the rank is alive
+                seen = _Seen(now)
+                beat = {}
+            if beat.get("bye"):
+                self.seen.pop(handle.peer, None)
+            else:
+                self.seen[handle.peer] = seen
+                self._recvs[i] = self.comm.repost(handle)
+
+    def _check(self, now: float) -> None:
+        timeout = self.timeout()
+        for peer, seen in self.seen.items():
+            limit = timeout if self.rank == 0 else timeout + GRACE
+            if now - seen.at > limit:
+                self._abort(
+                    f"no heartbeat from rank {peer} ({self.names(peer)}) for {now - seen.at:.0f} s: the process is "
+                    f"stopped, dead or cut off. It last reported: {seen.doing!r}.",
+                    timeout,
+                )
+        if self.rank == 0 and self.seen:
+            waits = {
+                0: WAITING.seconds(),
+                **{r: s.waiting + (now - s.at) if s.waiting else 0.0 for r, s in self.seen.items()},
+            }
+            if len(waits) == self.size and min(waits.values()) > timeout:
+                self._abort(f"every rank has been waiting for over {timeout:.0f} s: none can progress.", timeout)
+
+    def _abort(self, verdict: str, timeout: float) -> None:
+        mine = self.report()
+        lines = [f"  rank {self.rank} ({self.names(self.rank)}): {mine.doing} (waiting {WAITING.seconds():.0f} s)"]
+        now = time.monotonic()
+        for peer, seen in sorted(self.seen.items()):
+            lines.append(
+                f"  rank {peer} ({self.names(peer)}): {seen.doing} (heard {now - seen.at:.0f} s ago, waiting {seen.waiting:.0f} s then)"
+            )
+        print(
+            f"[psgrad watchdog] rank {self.rank}: {verdict} Ending the job (--timeout {timeout:.0f}).\n"
+            + "\n".join(lines),
+            file=sys.stderr,
+            flush=True,
+        )
+        self.claim(verdict)
+        self.world.abort(1)
