@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from .comm.protocol import TIME_KEYS
@@ -62,8 +63,14 @@ def tensorboard_writer(directory: Path):
     return SummaryWriter(str(directory))
 
 
+ROWS_KEPT = 2000
+
+
 class MetricsLog:
-    """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar."""
+    """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar.
+
+    Rows stream to disk; only the last ``ROWS_KEPT`` stay in memory (``rows``), so a long run's
+    rank 0 does not grow with every step. Evaluation rows are few and all kept."""
 
     def __init__(
         self,
@@ -77,7 +84,7 @@ class MetricsLog:
     ) -> None:
         self.dir = Path(log_dir) if log_dir else None
         self.steps_per_epoch = steps_per_epoch
-        self.rows: list[dict] = []
+        self.rows: deque[dict] = deque(maxlen=ROWS_KEPT)
         self.evals: list[dict] = []
         self._files = {}
         self._writers = {}

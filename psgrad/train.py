@@ -28,7 +28,8 @@ from .roles import ROLES
 
 @dataclass
 class RunResult:
-    """What rank 0 saw (metrics rows, evaluations); every rank gets its own role and model."""
+    """What rank 0 saw (the last metrics.ROWS_KEPT metrics rows, all evaluations); every rank gets
+    its own role and model."""
 
     role: str
     rank: int
@@ -103,13 +104,13 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
     if log:
         for row in rows:
             log.step(row)
-        result.rows, result.evals = log.rows, log.evals
+        result.rows, result.evals = list(log.rows), log.evals
         log.close()
-        _summary(result, ctx.label)
+        _summary(result, ctx.label, ctx.total - ctx.start)
     return result
 
 
-def _summary(result: RunResult, label: str) -> None:
+def _summary(result: RunResult, label: str, steps: int) -> None:
     rows = result.rows
     if not rows:
         return
@@ -118,6 +119,6 @@ def _summary(result: RunResult, label: str) -> None:
     mb = sum(r["bytes_up"] + r["bytes_down"] for r in tail) / len(tail) / 1e6
     acc = f", test accuracy {result.evals[-1]['test_acc']:.4f}" if result.evals else ""
     print(
-        f"[psgrad] done: {len(rows)} steps, final loss {rows[-1]['loss']:.4f}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
+        f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4f}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
         file=sys.stderr,
     )

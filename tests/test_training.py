@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 import sys
 import tarfile
 
@@ -254,3 +255,14 @@ def test_proxy_set_is_generated_labelled_and_harder_than_synthetic():
     assert easy > 0.95 and hard < 0.6, (easy, hard)  # one template per class no longer solves it
     assert RunConfig(dataset="proxy").synthetic_samples == 8192 and RunConfig().synthetic_samples == 2048
     assert RunConfig(dataset="proxy").dataset_label == "proxy (synthetic)"
+
+
+def test_memory_stays_flat_over_a_long_run():
+    """2,000 steps (the 10,000-step soak is `mpiexec -n 3 python tests/mpi_scripts/soak.py`): after
+    the warm-up no rank may grow by more than 4 MB; a leak of a few KB per message shows here."""
+    proc = run_script("soak.py", "2000", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"SOAK rank=(\d) warm=(\d+) peak=(\d+)", proc.stdout)
+    assert len(found) == 3, proc.stdout
+    for rank, warm, peak in found:
+        assert int(peak) - int(warm) < 4096, f"rank {rank} grew {int(peak) - int(warm)} KB after warm-up"
