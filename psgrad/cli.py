@@ -11,8 +11,34 @@ from .bench import codecbench
 from .codecs import available_codecs, make_codec
 from .options import config_from, run_options
 
+TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+
+class _Commands(click.Group):
+    """Under a multi-rank launch, a training command's usage error is printed once for the job
+    (by the lowest rank that has it, after every rank agreed; psgrad/startup.py), and every rank
+    exits with status 2 — not once per rank, interleaved."""
+
+    def invoke(self, ctx: click.Context):
+        from .startup import AgreementError, launched_ranks
+
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as err:
+            if ctx.invoked_subcommand not in TRAINING_COMMANDS or launched_ranks() < 2:
+                raise
+            from .comm.transport import Transport
+            from .startup import agree
+
+            try:
+                agree(Transport(), None, err.format_message())
+            except AgreementError:
+                ctx.exit(2)
+        except AgreementError:
+            ctx.exit(2)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="psgrad")
 def main() -> None:
     """psgrad: data-parallel training through a parameter server whose every gradient is encoded."""
@@ -68,13 +94,13 @@ def _train(role: str | None, options: dict) -> None:
         raise click.UsageError(str(err)) from None
     if role is not None:
         if layout.kind != "separate":
-            _abort_job(
+            raise click.UsageError(
                 f"'psgrad {role}' is for MPMD launches of --topology ps; with {cfg.topology} run 'psgrad train' on every rank"
             )
         is_server = layout.is_server(world_rank())
         if is_server != (role == "server"):
             actual = "server" if is_server else "worker"
-            _abort_job(
+            raise click.UsageError(
                 f"'psgrad {role}' started on rank {world_rank()}, which is a {actual} rank with --servers {cfg.servers} (servers are ranks 0..{cfg.servers - 1})"
             )
     run(cfg)

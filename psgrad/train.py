@@ -24,6 +24,7 @@ from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
 from .context import LossFn, RunContext
 from .roles import ROLES
+from .startup import agree
 
 
 @dataclass
@@ -56,6 +57,7 @@ def run(
     """
     cfg.validate()
     transport = transport or Transport()
+    agree(transport, cfg)
     where: dict = {}
 
     def report() -> Report:

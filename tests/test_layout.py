@@ -57,7 +57,7 @@ FLOORS = [
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
     (1, ["psgrad.comm.sentinel"]),
     (2, ["psgrad.checkpoint", "psgrad.comm.watchdog"]),
-    (3, ["psgrad.context"]),
+    (3, ["psgrad.context", "psgrad.startup"]),
     (4, ["psgrad.engine"]),
     (5, ["psgrad.roles"]),
     (6, ["psgrad.train"]),

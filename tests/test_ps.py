@@ -168,7 +168,31 @@ def test_mpmd_server_and_worker_commands():
     bad = run_mpi(
         [py, "-m", "psgrad", "worker", *args, ":", "-n", "2", py, "-m", "psgrad", "worker", *args], n=1, timeout=120
     )
-    assert bad.returncode != 0 and "which is a server rank" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("which is a server rank") == 1, bad.stderr
+    # server and workers disagree: one error naming each differing option, no training
+    worker_args = [*args[:2], "--steps", "5", *args[4:], "--codec", "qsgd"]
+    mismatch = run_mpi(
+        [py, "-m", "psgrad", "server", *args, ":", "-n", "2", py, "-m", "psgrad", "worker", *worker_args],
+        n=1,
+        timeout=120,
+    )
+    assert mismatch.returncode == 2, mismatch.stderr[-3000:]
+    assert mismatch.stderr.count("the ranks run different configurations") == 1, mismatch.stderr
+    assert "--codec 'qsgd' here, 'none' on rank 0; --steps 5 here, 4 on rank 0" in mismatch.stderr
+
+
+def test_usage_error_is_printed_once_per_job():
+    proc = run_mpi([__import__("sys").executable, "-m", "psgrad", "train", "--model", "mlp", "--lr", "-1"], timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("Invalid value for '--lr'") == 1, proc.stderr
+
+
+def test_settings_of_a_rank_own_are_not_a_mismatch():
+    from psgrad.config import RunConfig
+    from psgrad.startup import config_difference
+
+    base = json.loads(RunConfig().to_json())
+    assert config_difference({**base, "device": "cuda", "threads": 4, "progress": False}, base) == []
+    assert config_difference({**base, "lr": 0.2}, base) == ["--lr 0.2 here, 0.1 on rank 0"]
 
 
 # (topology, failing worker index, its rank): the last is rank 0, the watchdog's monitor itself
