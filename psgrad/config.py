@@ -66,6 +66,7 @@ class RunConfig:
     log_dir: str | None = None
     eval_every: int = 1
     eval_steps: int = 0
+    eval_background: bool = True
     tensorboard: bool = False
     progress: bool = True
     checkpoint_every: int = 0

@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,8 @@ class RunContext:
     doing: str = "setting up"
     buffers_size: int = 0
     _test_set: object = field(default=None, repr=False)
+    _evaluator: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _evaluations: list[Future] = field(default_factory=list, repr=False)
 
     @property
     def rank(self) -> int:
@@ -216,6 +219,38 @@ class RunContext:
         last = step + 1 == self.total and self.cfg.log_dir is not None
         return last or (every > 0 and (step + 1) % every == 0 and step + 1 < self.total)
 
+    def start_evaluation(self, model: nn.Module, step: int, paused: float = 0.0) -> None:
+        """Evaluate ``model`` after ``step``; the row comes out of ``take_evaluations``.
+
+        With ``--eval-background`` (default) a helper thread evaluates while this rank goes on
+        serving or training, so the workers do not wait for it: the caller hands ``model`` over and
+        must not change it before ``wait_for_evaluations`` (at most one runs at a time). Otherwise
+        it runs here and now. ``paused``: the seconds the caller already held training up (the row's
+        ``paused_seconds`` adds the evaluation itself when it runs in the foreground)."""
+        if not self.cfg.eval_background:
+            row = self.evaluate(model, step)
+            row["paused_seconds"] = paused + row["eval_seconds"]
+            future: Future = Future()
+            future.set_result(row)
+        else:
+            if self._evaluator is None:
+                self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="psgrad-eval")
+            future = self._evaluator.submit(lambda: {**self.evaluate(model, step), "paused_seconds": paused})
+        self._evaluations.append(future)
+
+    def wait_for_evaluations(self) -> None:
+        """Block until every evaluation started has finished (its model may be changed again)."""
+        wait(self._evaluations)
+
+    def take_evaluations(self, block: bool = False) -> list[dict]:
+        """The rows of the evaluations finished so far, in order (with ``block``: of all)."""
+        if block:
+            self.wait_for_evaluations()
+        rows = []
+        while self._evaluations and self._evaluations[0].done():
+            rows.append(self._evaluations.pop(0).result())  # re-raises an evaluation's exception here
+        return rows
+
     def evaluate(self, model: nn.Module, step: int) -> dict:
         """One eval.csv row: ``model`` evaluated on the test set after ``step``."""
         if self.eval_data is not None:
@@ -278,8 +313,9 @@ class Role:
     """What the training loop drives on every rank (``roles.ROLES[topology](ctx)`` builds one).
 
     ``step(t)`` does this rank's part of step t (train a batch, serve until t is complete, or
-    both) and returns the metrics rows that became complete; ``evaluate(t)`` returns an eval row
-    on the rank that evaluates; ``finish()`` ends the run's traffic and returns the last rows.
+    both) and returns the metrics rows that became complete; ``evaluate(t)`` does this rank's part
+    of an evaluation (rank 0 starts it with ``ctx.start_evaluation``; the loop logs the rows from
+    ``ctx.take_evaluations``); ``finish()`` ends the run's traffic and returns the last rows.
     """
 
     name = "role"
@@ -294,8 +330,8 @@ class Role:
     def step(self, step: int) -> list[dict]:
         raise NotImplementedError
 
-    def evaluate(self, step: int) -> dict | None:
-        return None
+    def evaluate(self, step: int) -> None:
+        """Start this rank's part of evaluating after ``step`` (rows: ``ctx.take_evaluations``)."""
 
     def finish(self) -> list[dict]:
         return []

@@ -14,7 +14,7 @@ METRIC_COLUMNS = [
     "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr", *TIME_KEYS, "step_time",
     "server_decode", "server_apply", "server_idle", "server_cpu", "nonfinite", "wall",
 ]  # fmt: skip
-EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset", "eval_seconds"]
+EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset", "eval_seconds", "paused_seconds"]
 
 
 class StepAggregator:

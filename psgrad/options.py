@@ -186,6 +186,13 @@ RUN_OPTIONS = [
         click.IntRange(min=0),
         "Also evaluate every N steps (0: only by --eval-every epochs and at the end).",
     ),
+    (
+        "--eval-background/--no-eval-background",
+        "eval_background",
+        None,
+        "Evaluate on a helper thread of rank 0 while training goes on (the workers never wait for it), "
+        "or in the training loop (psgrad bench does, so time to accuracy leaves evaluation out exactly).",
+    ),
     ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
     ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),
     (

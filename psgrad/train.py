@@ -95,12 +95,14 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
             for row in rows:
                 log.step(row)
         if ctx.is_eval_step(step):
-            evaluation = role.evaluate(step)
-            if log and evaluation:
-                log.evaluation(evaluation)
+            role.evaluate(step)
+        for evaluation in ctx.take_evaluations():
+            log.evaluation(evaluation)
         if ctx.is_checkpoint_step(step):
             ctx.save_checkpoint(step + 1, role.state_dict())
     rows = role.finish()
+    for evaluation in ctx.take_evaluations(block=True):
+        log.evaluation(evaluation)
     ctx.save_model()
     result = RunResult(role.name, ctx.rank, ctx.total, params=role.params())
     if log:

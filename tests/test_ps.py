@@ -103,7 +103,7 @@ def test_async_alltoall_and_colocated_converge():
 
 def _results(evals: list[dict]) -> list[dict]:
     """Evaluation rows without how long they took."""
-    return [{k: v for k, v in e.items() if k != "eval_seconds"} for e in evals]
+    return [{k: v for k, v in e.items() if k not in ("eval_seconds", "paused_seconds")} for e in evals]
 
 
 @pytest.mark.parametrize("codec", ["topk:ratio=0.1", "none"])

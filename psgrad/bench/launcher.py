@@ -133,8 +133,9 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     """Time to accuracy from a run's metrics rows (one per step, in order) and evaluations.
 
     1. The first evaluation with test accuracy >= ``target`` names the step s.
-    2. Seconds to target = the wall clock at step s minus the seconds spent evaluating before it
-       (evaluation pauses training, and a row that evaluates more often must not pay for it).
+    2. Seconds to target = the wall clock at step s minus the seconds evaluation held training up
+       before it (``paused_seconds``, else ``eval_seconds``: a row that evaluates more often must
+       not pay for it; bench runs evaluate in the foreground, so that is all of it).
     3. Bytes to target = every byte sent in steps 1..s. Final accuracy = the last evaluation's.
     A run that never reaches the target has NaN for the first three.
     """
@@ -148,7 +149,7 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
             out["target_seconds"] = rows[s - 1]["wall"] - paused
             out["target_mb"] = sum(r["bytes_up"] + r["bytes_down"] for r in rows[:s]) / 1e6
             break
-        paused += float(e.get("eval_seconds", 0.0))
+        paused += float(e.get("paused_seconds", e.get("eval_seconds", 0.0)))
     return out
 
 
@@ -176,7 +177,17 @@ def run_item(
     from ..train import run
 
     eval_steps = cfg.eval_steps if target else 0
-    result = run(replace(cfg, steps=steps + warmup, eval_every=0, eval_steps=eval_steps, progress=False, log_dir=None))
+    # evaluation in the foreground: to_target then takes exactly its time out of the clock
+    bench_cfg = replace(
+        cfg,
+        steps=steps + warmup,
+        eval_every=0,
+        eval_steps=eval_steps,
+        eval_background=False,
+        progress=False,
+        log_dir=None,
+    )
+    result = run(bench_cfg)
     if result.rank != 0:
         return None
     return measure(result.rows, warmup) | (to_target(result.rows, result.evals, target) if target else {})

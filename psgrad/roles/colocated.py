@@ -17,6 +17,7 @@ averaged BatchNorm statistics, in a copy of the model kept for that.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -62,16 +63,18 @@ class ColocatedRole(Role):
         with self.server.lock:
             self.server.serve_until(lambda: self.server.has_completed(step), Patience())
 
-    def evaluate(self, step: int) -> dict | None:
+    def evaluate(self, step: int) -> None:
         """Like separate servers: the servers' values after ``step`` (not a worker's copy, which a
         lossy --down-codec makes lag), with the workers' averaged BatchNorm statistics, on rank 0."""
+        start = time.perf_counter()
         self.worker.send_buffers(step)
         self._serve_until_done(step)
         with self.server.lock:
             if self.ctx.rank != 0:
                 self.server.send_values(step)
-                return None
+                return
             buffers = self.server.wait_for_evaluation(step, Patience())
+            self.ctx.wait_for_evaluations()  # the eval model is the previous evaluation's until then
             if self.eval_model is None:
                 # a copy, not a new model: building one would draw from the RNG the run trains with
                 self.eval_model = copy.deepcopy(self.ctx.model).cpu()
@@ -79,7 +82,7 @@ class ColocatedRole(Role):
                     module._forward_pre_hooks.clear()  # the worker's pull hooks came along with the copy
             self.server.load_model(self.eval_model, step)
         load_buffers_vector(self.eval_model, buffers)
-        return self.ctx.evaluate(self.eval_model, step)
+        self.ctx.start_evaluation(self.eval_model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.worker.stop()

@@ -7,6 +7,8 @@ is one batch through the servers (engine.worker).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..comm.protocol import load_buffers_vector
@@ -33,15 +35,17 @@ class ServerRole(Role):
         self.server.serve_until(lambda: self.server.has_completed(step))
         return self.server.take_rows()
 
-    def evaluate(self, step: int) -> dict | None:
+    def evaluate(self, step: int) -> None:
         if self.ctx.rank != 0:
             self.server.send_values(step)
-            return None
+            return
+        start = time.perf_counter()
         buffers = self.server.wait_for_evaluation(step)
         self.server.doing = f"evaluating after step {step}"
+        self.ctx.wait_for_evaluations()  # the model is the previous evaluation's until it is done
         self.server.load_model(self.ctx.model, step)  # its own layers and the other servers' for this step
         load_buffers_vector(self.ctx.model, buffers)
-        return self.ctx.evaluate(self.ctx.model, step)
+        self.ctx.start_evaluation(self.ctx.model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.server.finish()
@@ -50,6 +54,7 @@ class ServerRole(Role):
     def params(self) -> dict[str, torch.Tensor]:
         if self.ctx.rank != 0:
             return {}
+        self.ctx.wait_for_evaluations()
         self.server.load_model(self.ctx.model)
         return {n: p.detach().clone() for n, p in self.ctx.model.named_parameters()}
 
@@ -78,9 +83,8 @@ class WorkerRole(Role):
         self.worker.run_step(step)
         return []
 
-    def evaluate(self, step: int) -> dict | None:
+    def evaluate(self, step: int) -> None:
         self.worker.send_buffers(step)
-        return None
 
     def finish(self) -> list[dict]:
         self.worker.stop()
