@@ -21,7 +21,7 @@ from . import checkpoint
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
-from .comm.transport import Idle, Transport
+from .comm.transport import Transport
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
@@ -243,9 +243,13 @@ class RunContext:
         wait(self._evaluations)
 
     def take_evaluations(self, block: bool = False) -> list[dict]:
-        """The rows of the evaluations finished so far, in order (with ``block``: of all)."""
+        """The rows of the evaluations finished so far, in order (with ``block``: of all, and the
+        helper thread ends)."""
         if block:
             self.wait_for_evaluations()
+            if self._evaluator is not None:
+                self._evaluator.shutdown()
+                self._evaluator = None
         rows = []
         while self._evaluations and self._evaluations[0].done():
             rows.append(self._evaluations.pop(0).result())  # re-raises an evaluation's exception here
@@ -274,12 +278,13 @@ class RunContext:
         }
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, state: dict, idle: Idle | None = None) -> None:
-        """Every rank writes its file (atomically); once all have (one allreduce, serving meanwhile
-        through ``idle``), rank 0 writes the marker that makes the checkpoint complete."""
+    def save_checkpoint(self, step: int, state: dict) -> None:
+        """Every rank writes its file (atomically); once all have (one allreduce: every rank is
+        between steps, and the MPI progress it drives completes the sends still in flight), rank 0
+        writes the marker that makes the checkpoint complete."""
         directory = checkpoint.step_dir(self.cfg.log_dir or "checkpoints", step)
         checkpoint.save_rank_state(directory, self.rank, {"step": step, **state})
-        written = self.transport.allreduce_sum([1], idle)[0]
+        written = self.transport.allreduce_sum([1])[0]
         if self.rank == 0 and written == self.transport.size:
             checkpoint.mark_complete(directory, step, self.transport.size)
 

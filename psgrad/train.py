@@ -62,7 +62,7 @@ def run(
 
     def report() -> Report:
         role = where.get("role")
-        return Report(where.get("step", -1), role.doing if role else "setting up", where.get("slowest", 0.0))
+        return Report(role.doing if role else "setting up", where.get("slowest", 0.0))
 
     layout = RankLayout(transport.size, cfg.servers, cfg.topology)
     watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
@@ -88,7 +88,7 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
     log = ctx.log  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):
-        where["step"], started = step, time.monotonic()
+        started = time.monotonic()
         rows = role.step(step)
         where["slowest"] = max(where.get("slowest", 0.0), time.monotonic() - started)
         if log:

@@ -2,8 +2,7 @@
 
 A helper thread on every rank, on its own duplicate communicator:
 1. Every ``period`` seconds it sends a heartbeat: rank 0 (the monitor) to every rank, every other
-   rank to rank 0. A heartbeat is a small msgpack map: the rank's step, what its main thread is
-   doing, how long that thread has been inside a transport wait, and its slowest step so far.
+   rank to rank 0. A heartbeat is a small msgpack map: what the rank's main thread is doing, how long that thread has been inside a transport wait, and its slowest step so far.
    A stopped (SIGSTOP), dead or cut-off process sends none: its threads do not run.
 2. Rank 0 aborts the job when a rank sent nothing for the timeout, naming the rank, its role and
    what it last reported, with what every other rank was waiting for. Every other rank aborts
@@ -46,7 +45,6 @@ _MAX_BYTES = 1024
 class Report:
     """What the main thread of this rank is up to (read by the watchdog thread)."""
 
-    step: int = -1
     doing: str = "setting up"
     slowest_step: float = 0.0
 
@@ -54,7 +52,6 @@ class Report:
 @dataclass
 class _Seen:
     at: float
-    step: int = -1
     doing: str = "setting up"
     waiting: float = 0.0
     slowest_step: float = 0.0
@@ -148,7 +145,6 @@ class Watchdog:
         mine = self.report()
         data = msgpack.packb(
             {
-                "step": mine.step,
                 "doing": mine.doing[:200],
                 "waiting": WAITING.seconds(),
                 "slowest": mine.slowest_step,
@@ -164,7 +160,7 @@ class Watchdog:
             handle = self._recvs[i]
             try:
                 beat = msgpack.unpackb(handle.payload(), raw=False, max_str_len=256, max_map_len=8)
-                seen = _Seen(now, int(beat["step"]), str(beat["doing"]), float(beat["waiting"]), float(beat["slowest"]))
+                seen = _Seen(now, str(beat["doing"]), float(beat["waiting"]), float(beat["slowest"]))
             except Exception:  # noqa: BLE001  a garbled heartbeat still shows the rank is alive
                 seen = _Seen(now)
                 beat = {}
