@@ -111,6 +111,8 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, whe
         result.rows, result.evals = list(log.rows), log.evals
         log.close()
         _summary(result, ctx.label, ctx.total - ctx.start)
+        if not cfg.log_dir:
+            print("[psgrad] the trained model was not saved: --log-dir DIR keeps it (DIR/model.pt)", file=sys.stderr)
     return result
 
 
