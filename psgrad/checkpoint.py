@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -55,6 +56,17 @@ def save_model(log_dir: str | Path, model: torch.nn.Module) -> Path:
     path = Path(log_dir) / "model.pt"
     _atomic_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
     return path
+
+
+def clear_run(log_dir: str | Path) -> None:
+    """``--overwrite``: remove what an earlier run left in ``log_dir`` (its CSV files, TensorBoard
+    events, checkpoints and model), so nothing of it is resumed from or plotted with the new one."""
+    directory = Path(log_dir)
+    for name in ("metrics.csv", "eval.csv", "config.json", "model.pt"):
+        (directory / name).unlink(missing_ok=True)
+    for path in [directory / "tb", *directory.glob("ckpt-step*")]:
+        if path.is_dir():
+            shutil.rmtree(path)
 
 
 def _marker(directory: Path) -> dict | None:

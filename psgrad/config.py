@@ -10,6 +10,7 @@ from .codecs import make_codec
 from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES
 from .data import DATASETS
 from .feedback import FEEDBACKS
+from .models import MODELS
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RunConfig:
     progress: bool = True
     checkpoint_every: int = 0
     resume: str | None = None
+    overwrite: bool = False
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> RunConfig:
@@ -113,6 +115,8 @@ class RunConfig:
             self.schedule in ("constant", "multistep", "cosine"),
             f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
         )
+        need(self.model in MODELS, f"--model must be one of {', '.join(sorted(MODELS))}, got {self.model!r}")
+        need(not self.tensorboard or self.log_dir is not None, "--tensorboard writes into --log-dir: give one")
         need(self.timeout >= 0, f"--timeout must be >= 0 seconds (0: automatic), got {self.timeout}")
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")
         need(self.topology in TOPOLOGIES, f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
@@ -181,6 +185,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         data = json.loads(text)
+        data.pop("run", None)  # what the run was (world size, versions, host), not a setting
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -188,8 +193,25 @@ class RunConfig:
         data["lr_milestones"] = tuple(data.get("lr_milestones", ()))
         return cls(**data).validate()
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, run: dict | None = None) -> Path:
+        """``config.json``: every setting, plus ``run`` (what the run was: world size, versions,
+        host, start time), which ``from_json`` ignores."""
         path = Path(directory) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n")
+        data = json.loads(self.to_json())
+        if run:
+            data["run"] = run
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return path
+
+    def log_dir_in_use(self) -> str | None:
+        """Why this run may not write into its log dir (a run is there already), or None."""
+        if not self.log_dir or self.resume or self.overwrite:
+            return None
+        there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
+        if not there:
+            return None
+        return (
+            f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}): continue it with --resume "
+            f"{self.log_dir}, replace it with --overwrite, or choose another directory"
+        )

@@ -7,7 +7,10 @@ context, so no role wires up a model, codec, feedback or checkpoint path of its 
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import math
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +24,7 @@ from . import checkpoint
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
-from .comm.transport import Transport
+from .comm.transport import Transport, mpi_library
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
@@ -178,7 +181,7 @@ class RunContext:
         roles = ", ".join(f"{r}={layout.role_name(r)}:{pid}" for r, pid in enumerate(pids))
         print(f"[psgrad] rank=role:pid {roles}", file=sys.stderr)
         if cfg.log_dir:
-            cfg.save(cfg.log_dir)
+            cfg.save(cfg.log_dir, _run_facts(self.transport.size))
         servers = len(layout.server_ranks)
         model = cfg.model if named_model else type(self.model).__name__
         params = sum(p.numel() for p in self.model.parameters())
@@ -307,6 +310,18 @@ class RunContext:
                 f"--resume {directory}: the ranks' checkpoint files are from different steps"
             )
         return state
+
+
+def _run_facts(world_size: int) -> dict:
+    """What config.json records of the run itself (not settings): who, where, with what."""
+    return {
+        "world_size": world_size,
+        "psgrad": importlib.metadata.version("psgrad"),
+        "torch": torch.__version__,
+        "mpi": mpi_library(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def _coded_bytes(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:

@@ -202,6 +202,12 @@ RUN_OPTIONS = [
         "Write a checkpoint every N steps (0: never); with --log-dir the last step always writes one, and model.pt.",
     ),
     (
+        "--overwrite/--no-overwrite",
+        "overwrite",
+        None,
+        "Write into a --log-dir that holds a run already (its CSV files start over); without it that is refused.",
+    ),
+    (
         "--resume",
         "resume",
         click.Path(exists=True, file_okay=False),

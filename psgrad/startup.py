@@ -63,9 +63,10 @@ def config_difference(mine: dict, theirs: dict) -> list[str]:
 def agree(transport: Transport, cfg: RunConfig | None, usage_error: str | None = None) -> None:
     """Return when every rank is free of usage errors and runs rank 0's config (see module doc).
 
-    A rank with a usage error passes ``cfg=None`` and its message; it always raises."""
+    A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises."""
     if transport.size == 1:
         if usage_error is not None:
+            print(f"[psgrad] usage error: {usage_error}", file=sys.stderr, flush=True)
             raise AgreementError(usage_error)
         return
     first = _first(transport, usage_error is not None)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import checkpoint
 from .comm.protocol import RankLayout
 from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
@@ -56,8 +57,15 @@ def run(
     ``eval_data`` is an iterable of (inputs, labels) for evaluation on rank 0.
     """
     cfg.validate()
+    if model_fn is not None and eval_data is None:
+        raise ValueError(
+            "a custom model_fn needs eval_data (an iterable of (inputs, labels) batches of your test set): "
+            f"psgrad will not evaluate your model on the {cfg.dataset} test set"
+        )
     transport = transport or Transport()
-    agree(transport, cfg)
+    agree(transport, cfg, cfg.log_dir_in_use() if transport.rank == 0 else None)
+    if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:
+        checkpoint.clear_run(cfg.log_dir)  # before any rank can write into it (the next collective)
     where: dict = {}
 
     def report() -> Report:

@@ -160,6 +160,10 @@ def test_bad_settings_are_named():
         RunConfig(lr=0).validate()
     with pytest.raises(ValueError, match="--push after needs servers"):
         RunConfig(push="after", topology="alltoall").validate()
+    with pytest.raises(ValueError, match="--model must be one of .*got 'resnet50'"):
+        RunConfig(model="resnet50").validate()
+    with pytest.raises(ValueError, match="--tensorboard writes into --log-dir"):
+        RunConfig(tensorboard=True).validate()
     RunConfig(push="after").validate()
 
 
@@ -326,3 +330,27 @@ def test_killed_at_random_moments_the_newest_complete_checkpoint_resumes_bit_exa
     print("\n".join(outcomes))
     resumed_runs = sum(o.startswith("resumed") for o in outcomes)
     assert resumed_runs >= max(1, len(outcomes) // 2), f"too few kills landed mid-training: {outcomes}"
+
+
+def test_custom_model_without_test_data_is_refused():
+    from psgrad.train import run
+
+    with pytest.raises(ValueError, match="custom model_fn needs eval_data"):
+        run(RunConfig(steps=1), model_fn=lambda: torch.nn.Linear(4, 2))
+
+
+def test_log_dir_of_another_run_is_refused_unless_resume_or_overwrite(tmp_path):
+    log = tmp_path / "run"
+    args = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "4", "--no-progress"]
+    first = run_mpi([*args, "--log-dir", str(log)], timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = json.loads((log / "config.json").read_text())
+    assert config["run"]["world_size"] == 3 and config["run"]["mpi"] and config["run"]["torch"] == torch.__version__
+    assert RunConfig.from_json((log / "config.json").read_text()).steps == 4  # the run facts are not settings
+    again = run_mpi([*args, "--log-dir", str(log)], timeout=120)
+    assert again.returncode == 2 and again.stderr.count("holds a run already") == 1, again.stderr[-3000:]
+    (log / "tb").mkdir()  # stale TensorBoard events of the earlier run
+    over = run_mpi([*args, "--steps", "2", "--log-dir", str(log), "--overwrite"], timeout=120)
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert not (log / "tb").exists() and not (log / "ckpt-step4").exists() and (log / "ckpt-step2").exists()
+    assert len((log / "metrics.csv").read_text().splitlines()) == 1 + 2

@@ -340,6 +340,11 @@ class Transport:
         os._exit(code)  # Abort does not return; this is for MPI stubs that do
 
 
+def mpi_library() -> str:
+    """The MPI library's name and version (its first line)."""
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
 def world_size() -> int:
     return MPI.COMM_WORLD.Get_size()
 
