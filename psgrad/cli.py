@@ -12,6 +12,14 @@ from .codecs import available_codecs, make_codec
 from .options import config_from, run_options
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
+BENCH_IGNORES = {
+    "--log-dir": "log_dir",
+    "--tensorboard": "tensorboard",
+    "--checkpoint-every": "checkpoint_every",
+    "--resume": "resume",
+    "--overwrite": "overwrite",
+}
+"""Run options that mean nothing to ``psgrad bench`` (refused there rather than ignored)."""
 
 
 class _Commands(click.Group):
@@ -36,6 +44,17 @@ class _Commands(click.Group):
                 ctx.exit(2)
         except AgreementError:
             ctx.exit(2)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command's whole first paragraph, wrapped, not cut at 45 characters."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, " ".join((command.help or "").split("\n\n")[0].split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -220,10 +239,11 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     help="Extra mpiexec arguments for every job, e.g. '--allow-run-as-root --oversubscribe' for Open MPI as root.",
 )
 @click.option(
-    "--timeout",
+    "--job-timeout",
+    "job_timeout",
     type=click.FloatRange(min=1),
     default=900.0,
-    help="Seconds one job may run before the launcher ends it and fails.",
+    help="Seconds one job may run before the launcher ends it and fails (--timeout is each run's watchdog).",
 )
 @click.option(
     "--powersgd-rank", type=click.IntRange(min=1), default=2, help="Rank of the ddp-powersgd baseline's factors."
@@ -251,7 +271,7 @@ def bench(
     bandwidth: str | None,
     mpiexec_path: str | None,
     mpiexec_args: str,
-    timeout: float,
+    job_timeout: float,
     powersgd_rank: int,
     json_path: str | None,
     plot_path: str | None,
@@ -269,6 +289,12 @@ def bench(
     from .bench import launcher as bench_module
     from .bench.netshape import ShapeError, parse_rate
 
+    ignored = [flag for flag, name in BENCH_IGNORES.items() if options.get(name)]
+    if ignored:
+        raise click.UsageError(
+            f"psgrad bench does not use {', '.join(ignored)}: its runs write no logs or checkpoints "
+            "(--json and --plot keep its results)"
+        )
     options["steps"] = options["steps"] or 20
     if target_accuracy and not options["eval_steps"]:
         options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
@@ -308,7 +334,7 @@ def bench(
             workers,
             mpiexec,
             shlex.split(mpiexec_args),
-            timeout,
+            job_timeout,
             bandwidth,
             powersgd_rank,
             target_accuracy,

@@ -31,3 +31,28 @@ def test_every_codec_has_a_budget_line():
     text = (DOCS / "codecs.md").read_text()
     for name in available_codecs():
         assert f"`{name}" in text, name
+
+
+def test_top_level_help_gives_whole_descriptions():
+    from click.testing import CliRunner
+
+    out = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    for name, cmd in main.commands.items():
+        first = " ".join(cmd.help.split("\n\n")[0].split())
+        assert first in out, f"{name}: {first!r} cut in psgrad --help"
+
+
+def test_bench_refuses_the_run_options_it_would_ignore():
+    from click.testing import CliRunner
+
+    for args in (["--log-dir", "x"], ["--checkpoint-every", "5"], ["--resume", "."], ["--tensorboard"]):
+        result = CliRunner().invoke(main, ["bench", "--steps", "2", *args])
+        assert result.exit_code == 2 and "psgrad bench does not use" in result.output, (args, result.output)
+
+
+def test_no_command_has_an_option_twice():
+    for name, cmd in main.commands.items():
+        flags = [
+            flag for param in cmd.params for flag in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])
+        ]
+        assert len(flags) == len(set(flags)), f"{name}: {sorted(f for f in flags if flags.count(f) > 1)}"
