@@ -7,6 +7,7 @@ context, so no role wires up a model, codec, feedback or checkpoint path of its 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import importlib.metadata
 import math
@@ -94,6 +95,7 @@ class RunContext:
     doing: str = "setting up"
     buffers_size: int = 0
     _test_set: object = field(default=None, repr=False)
+    _eval_model: nn.Module | None = field(default=None, repr=False)
     _evaluator: ThreadPoolExecutor | None = field(default=None, repr=False)
     _evaluations: list[Future] = field(default_factory=list, repr=False)
 
@@ -240,6 +242,20 @@ class RunContext:
                 self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="psgrad-eval")
             future = self._evaluator.submit(lambda: {**self.evaluate(model, step), "paused_seconds": paused})
         self._evaluations.append(future)
+
+    def evaluation_model(self) -> nn.Module:
+        """The model rank 0 loads an evaluation into, free to change (the previous evaluation has
+        finished): a serving-only rank's own model, which never trains; on a training rank a copy of
+        it, made once (building a new model would draw from the RNG the run trains with), without
+        the worker's pull hooks."""
+        self.wait_for_evaluations()
+        if not self.layout.is_worker(self.rank):
+            return self.model
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self.model).cpu()
+            for module in self._eval_model.modules():
+                module._forward_pre_hooks.clear()
+        return self._eval_model
 
     def wait_for_evaluations(self) -> None:
         """Block until every evaluation started has finished (its model may be changed again)."""

@@ -40,7 +40,7 @@ class StepAggregator:
         row = {"step": step, "loss": sum(p["loss"] for p in parts) / len(parts)}
         row["bytes_up"] = int(sum(p["bytes_up"] for p in parts))
         row["bytes_down"] = int(sum(p["bytes_down"] for p in parts))
-        row["nonfinite"] = int(sum(p.get("nonfinite", 0) for p in parts))
+        row["nonfinite"] = int(sum(p["nonfinite"] for p in parts))
         for key in (*TIME_KEYS, "step_time"):
             row[key] = sum(p[key] for p in parts) / len(parts)
         row["it_per_s"] = 1.0 / max(1e-9, now - self.last)

@@ -152,8 +152,8 @@ def _declared_array(name: Any, entry: Any) -> tuple[np.dtype, tuple[int, ...], i
     return np_dtype, shape, math.prod(shape) * np_dtype.itemsize
 
 
-def _unpack_array(name: str, entry: dict[str, Any]) -> torch.Tensor:
-    np_dtype, shape, expected = _declared_array(name, entry)
+def _unpack_array(name: str, entry: dict[str, Any], declared: tuple[np.dtype, tuple[int, ...], int]) -> torch.Tensor:
+    np_dtype, shape, expected = declared
     data = entry["b"]
     if entry["z"]:
         # Validate blosc's header before it allocates or decompresses anything. These are the checks
@@ -221,15 +221,16 @@ def loads(
     msg_shape = _check_shape(header["shape"], "shape")
     if shape is not None and msg_shape != tuple(shape):
         _fail(f"shape {msg_shape} is not the layer's {tuple(shape)}")
-    declared = sum(_declared_array(k, v)[2] for k, v in header["arrays"].items())
-    if declared > max_bytes:
-        _fail(f"arrays declare {declared} decoded bytes, more than the limit of {max_bytes}")
+    declared = {k: _declared_array(k, v) for k, v in header["arrays"].items()}
+    total = sum(nbytes for _, _, nbytes in declared.values())
+    if total > max_bytes:
+        _fail(f"arrays declare {total} decoded bytes, more than the limit of {max_bytes}")
     msg = Message(
         codec=_check_str(header["codec"], "codec", 32),
         params=_check_scalars(header["params"], "params"),
         shape=msg_shape,
         dtype=header["dtype"],
-        arrays={k: _unpack_array(k, v) for k, v in header["arrays"].items()},
+        arrays={k: _unpack_array(k, v, declared[k]) for k, v in header["arrays"].items()},
         seed=_check_int(header["seed"], "seed", 0, 2**64 - 1),
         kind=header["kind"],
         step=_check_int(header["step"], "step", 0, 2**63 - 1),

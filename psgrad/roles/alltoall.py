@@ -13,7 +13,6 @@ Rank 0's metrics row is the step's statistics summed over ranks (one small allre
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import astuple, dataclass, fields
 
@@ -72,7 +71,6 @@ class PeerRole(Role):
         self.gate = GradientGate(self.layers)
         self.bounds = [upload_bound(self.feedback, layer) for layer in self.layers]
         self.first = self.last = time.perf_counter()
-        self.eval_model: torch.nn.Module | None = None  # rank 0: the copy being evaluated
         self._hooks = []
         if self.cfg.granularity == "layer":
             for name, param in self.params_by_name.items():
@@ -219,11 +217,9 @@ class PeerRole(Role):
             total = self.world.allreduce_sum(flat.double().numpy())
             load_buffers_vector(self.model, torch.from_numpy(total).float() / self.size)
         if self.rank == 0:
-            self.ctx.wait_for_evaluations()
-            if self.eval_model is None:
-                self.eval_model = copy.deepcopy(self.model)
-            self.eval_model.load_state_dict(self.model.state_dict())
-            self.ctx.start_evaluation(self.eval_model, step, time.perf_counter() - start)
+            model = self.ctx.evaluation_model()
+            model.load_state_dict(self.model.state_dict())
+            self.ctx.start_evaluation(model, step, time.perf_counter() - start)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}

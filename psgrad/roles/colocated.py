@@ -16,11 +16,9 @@ averaged BatchNorm statistics, in a copy of the model kept for that.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
-from torch import nn
 
 from ..comm.protocol import load_buffers_vector
 from ..comm.transport import Patience
@@ -38,7 +36,6 @@ class ColocatedRole(Role):
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server)
         self.thread = ServingThread(self.server) if ctx.cfg.serve_thread else None
         self.last_step = ctx.start - 1
-        self.eval_model: nn.Module | None = None  # rank 0: a model to evaluate the servers' values in
 
     @property
     def doing(self) -> str:
@@ -74,15 +71,10 @@ class ColocatedRole(Role):
                 self.server.send_values(step)
                 return
             buffers = self.server.wait_for_evaluation(step, Patience())
-            self.ctx.wait_for_evaluations()  # the eval model is the previous evaluation's until then
-            if self.eval_model is None:
-                # a copy, not a new model: building one would draw from the RNG the run trains with
-                self.eval_model = copy.deepcopy(self.ctx.model).cpu()
-                for module in self.eval_model.modules():
-                    module._forward_pre_hooks.clear()  # the worker's pull hooks came along with the copy
-            self.server.load_model(self.eval_model, step)
-        load_buffers_vector(self.eval_model, buffers)
-        self.ctx.start_evaluation(self.eval_model, step, time.perf_counter() - start)
+            model = self.ctx.evaluation_model()
+            self.server.load_model(model, step)
+        load_buffers_vector(model, buffers)
+        self.ctx.start_evaluation(model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.worker.stop()

@@ -42,10 +42,10 @@ class ServerRole(Role):
         start = time.perf_counter()
         buffers = self.server.wait_for_evaluation(step)
         self.server.doing = f"evaluating after step {step}"
-        self.ctx.wait_for_evaluations()  # the model is the previous evaluation's until it is done
-        self.server.load_model(self.ctx.model, step)  # its own layers and the other servers' for this step
-        load_buffers_vector(self.ctx.model, buffers)
-        self.ctx.start_evaluation(self.ctx.model, step, time.perf_counter() - start)
+        model = self.ctx.evaluation_model()
+        self.server.load_model(model, step)  # its own layers and the other servers' for this step
+        load_buffers_vector(model, buffers)
+        self.ctx.start_evaluation(model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.server.finish()
@@ -54,9 +54,9 @@ class ServerRole(Role):
     def params(self) -> dict[str, torch.Tensor]:
         if self.ctx.rank != 0:
             return {}
-        self.ctx.wait_for_evaluations()
-        self.server.load_model(self.ctx.model)
-        return {n: p.detach().clone() for n, p in self.ctx.model.named_parameters()}
+        model = self.ctx.evaluation_model()
+        self.server.load_model(model)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def state_dict(self) -> dict:
         return {"server": self.server.state_dict()}
