@@ -25,6 +25,16 @@ SPECS = [
 SHAPES = [(1,), (1001,), (7, 5), (16, 3, 3, 3), ()]
 
 
+@pytest.fixture(autouse=True, params=["blocks of 65536", "blocks of 64"])
+def cpu_block(request, monkeypatch):
+    """Every test runs twice: with the CPU kernels' real block size (one block for these small
+    tensors) and with 64-element blocks, so that block edges, short last blocks and buckets
+    spanning blocks are all crossed."""
+    from psgrad.codecs import _cpu
+
+    monkeypatch.setattr(_cpu, "BLOCK", int(request.param.split()[-1]))
+
+
 def test_every_registered_codec_is_tested():
     assert {s.split(":")[0] for s in SPECS} == set(available_codecs())
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from . import _bits
+from . import _bits, _cpu
 from .base import Codec, Message, register
 
 
@@ -51,13 +52,21 @@ class QSGDCodec(Codec):
             values[full:].mul_(factors[-1])
         return values
 
-    def _encode(self, flat, shape, seed):
-        n, bucket, s = flat.numel(), int(self.params["bucket"]), int(self.params["levels"])
+    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """Step 1: the L2 norm of every bucket (the last one may be short)."""
+        n, bucket = flat.numel(), int(self.params["bucket"])
         full = n // bucket * bucket
         norms = torch.linalg.vector_norm(flat[:full].view(-1, bucket), dim=1)
         if full < n:
             norms = torch.cat([norms, torch.linalg.vector_norm(flat[full:]).reshape(1)])
+        return norms
+
+    def _encode(self, flat, shape, seed):
+        n, bucket, s = flat.numel(), int(self.params["bucket"]), int(self.params["levels"])
+        norms = self._norms(flat)
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        if flat.device.type == "cpu":
+            return self._encode_cpu(flat.numpy(), norms, inv.numpy(), seed)
         scaled = self._per_bucket(flat.abs(), bucket, inv)
         levels = scaled.add_(_bits.uniform(n, seed, flat.device)).floor_().clamp_(max=s)
         return {
@@ -66,11 +75,70 @@ class QSGDCodec(Codec):
             "signs": _bits.pack_negative(flat),
         }
 
+    def _encode_cpu(self, x: np.ndarray, norms: torch.Tensor, inv: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
+        """Steps 2-3 one block of whole buckets at a time (``_cpu``), with the uniforms of
+        :class:`_cpu.Uniforms`: level = floor(|x| s / norm + u) - 1 for u in [1, 2)."""
+        n, bucket, s, width = x.size, int(self.params["bucket"]), int(self.params["levels"]), self.width
+        plane = _bits.packed_nbytes(n, 1)
+        levels, signs = np.empty(width * plane, dtype=np.uint8), np.empty(plane, dtype=np.uint8)
+        multiple = math.lcm(bucket, 8)
+        scaled, codes = _cpu.block_buffer(n, np.float32, multiple), _cpu.block_buffer(n, np.uint8, multiple)
+        negative = _cpu.block_buffer(n, np.bool_, multiple)
+        uniforms = _cpu.Uniforms(seed, len(scaled))
+        for start, stop in _cpu.blocks(n, multiple):
+            count, block = stop - start, x[start:stop]
+            level = _per_bucket_cpu(np.abs(block, out=scaled[:count]), bucket, inv[start // bucket :])
+            level += uniforms.take(count)
+            np.floor(level, out=level)
+            np.clip(level, 1, s + 1, out=level)
+            code = codes[:count]
+            np.copyto(code, level, casting="unsafe")
+            code -= 1
+            for j in range(width):
+                levels[j * plane + start // 8 : j * plane + (stop + 7) // 8] = np.packbits(code & (1 << j))
+            signs[start // 8 : (stop + 7) // 8] = np.packbits(np.less(block, 0, out=negative[:count]))
+        return {"norms": norms, "levels": torch.from_numpy(levels), "signs": torch.from_numpy(signs)}
+
     def _decode(self, msg: Message, device):
         n, bucket, s = msg.numel, int(self.params["bucket"]), int(self.params["levels"])
+        if device.type == "cpu":
+            out = torch.zeros(n, dtype=torch.float32)
+            self.decode_add(msg, out)
+            return out
         levels = _bits.unpack_bits(msg.arrays["levels"].to(device), n, self.width).float()
         levels.mul_(_bits.unpack_signs(msg.arrays["signs"].to(device), n))
         return self._per_bucket(levels, bucket, msg.arrays["norms"].to(device) / s)
+
+    def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """On the CPU one block at a time: the level from its bit planes, times its sign, times
+        alpha * norm / s of its bucket, added to ``out``."""
+        if out.device.type != "cpu" or out.dtype != torch.float32:
+            super().decode_add(msg, out, alpha)
+            return
+        n, bucket, width = msg.numel, int(self.params["bucket"]), self.width
+        plane = _bits.packed_nbytes(n, 1)
+        levels, signs = msg.arrays["levels"].numpy(), msg.arrays["signs"].numpy()
+        factors = msg.arrays["norms"].numpy() * np.float32(alpha / int(self.params["levels"]))
+        multiple = math.lcm(bucket, 8)
+        codes, values = _cpu.block_buffer(n, np.uint8, multiple), _cpu.block_buffer(n, np.float32, multiple)
+        words = _cpu.block_buffer(n, np.uint32, multiple)
+        target = out.view(-1).numpy()
+        for start, stop in _cpu.blocks(n, multiple):
+            count, first, last = stop - start, start // 8, (stop + 7) // 8
+            code = codes[:count]
+            code[:] = np.unpackbits(levels[first:last], count=count)
+            for j in range(1, width):  # numpy's uint8 multiply is vectorized, its shift is not
+                bits = np.unpackbits(levels[j * plane + first : j * plane + last], count=count)
+                code += np.multiply(bits, np.uint8(1 << j), out=bits)
+            value = values[:count]
+            np.copyto(value, code, casting="unsafe")
+            # a set sign bit flips the float's sign bit: bit * 2^31 XOR-ed into its uint32 view
+            flip = words[:count]
+            np.copyto(flip, np.unpackbits(signs[first:last], count=count), casting="unsafe")
+            flip *= np.uint32(1 << 31)
+            np.bitwise_xor(value.view(np.uint32), flip, out=value.view(np.uint32))
+            _per_bucket_cpu(value, bucket, factors[start // bucket :])
+            np.add(target[start:stop], value, out=target[start:stop])
 
     def _expected(self, msg):
         n = msg.numel
@@ -83,3 +151,14 @@ class QSGDCodec(Codec):
     def max_payload_bytes(self, shape):
         n = math.prod(shape)
         return 4 * self._buckets(n) + _bits.packed_nbytes(n, self.width) + _bits.packed_nbytes(n, 1)
+
+
+def _per_bucket_cpu(values: np.ndarray, bucket: int, factors: np.ndarray) -> np.ndarray:
+    """values[i] *= factors[i // bucket] in place (numpy; ``values`` starts a bucket)."""
+    full = values.size // bucket * bucket
+    if full:
+        matrix = values[:full].reshape(-1, bucket)
+        np.multiply(matrix, factors[: full // bucket, None], out=matrix)
+    if full < values.size:
+        values[full:] *= factors[full // bucket]
+    return values

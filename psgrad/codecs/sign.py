@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import _bits
+from . import _bits, _cpu
 from .base import Codec, Message, register
 
 
@@ -22,27 +22,25 @@ class SignCodec(Codec):
     name = "sign"
 
     def _encode(self, flat, shape, seed):
+        if flat.device.type == "cpu":
+            packed, l1 = _cpu.negative_bits(flat.numpy(), with_l1=True)
+            scale = torch.tensor([l1 / max(1, flat.numel())], dtype=torch.float32)
+            return {"scale": scale, "signs": torch.from_numpy(packed)}
         scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
         return {"scale": scale.reshape(1).float(), "signs": _bits.pack_negative(flat)}
 
     def _decode(self, msg: Message, device):
-        return _bits.unpack_signs(msg.arrays["signs"].to(device), msg.numel).mul_(msg.arrays["scale"].to(device))
+        out = torch.zeros(msg.numel, dtype=torch.float32, device=device)
+        self.decode_add(msg, out)
+        return out
 
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
+        scale = msg.arrays["scale"].to(out.device)
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            _cpu.add_rows(_cpu.SIGN_ROWS, msg.arrays["signs"].numpy(), out.view(-1).numpy(), alpha * float(scale))
+            return
         signs = _bits.unpack_signs(msg.arrays["signs"].to(out.device), msg.numel)
-        out.view(-1).addcmul_(signs, msg.arrays["scale"].to(out.device), value=alpha)
-
-    def encode_residual(self, x: torch.Tensor, seed: int = 0) -> Message:
-        """Fused: pack the sign bits, decode them once into s (+-1, exactly what the receiver
-        will see), scale = <x, s> / n = mean |x| (one dot product, no |x| temporary), x -= scale s."""
-        if x.dtype != torch.float32 or x.numel() == 0 or not x.is_contiguous():
-            return super().encode_residual(x, seed)
-        flat = x.view(-1)
-        packed = _bits.pack_negative(flat)
-        signs = _bits.unpack_signs(packed, flat.numel())
-        scale = (torch.dot(flat, signs) / flat.numel()).reshape(1)
-        flat.addcmul_(signs, scale, value=-1.0)
-        return Message(self.name, dict(self.params), tuple(x.shape), "float32", {"scale": scale, "signs": packed})
+        out.view(-1).addcmul_(signs, scale, value=alpha)
 
     def _expected(self, msg):
         return {"scale": (torch.float32, (1,)), "signs": (torch.uint8, (_bits.packed_nbytes(msg.numel, 1),))}
