@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -306,3 +307,43 @@ def test_empty_tensors_round_trip_through_every_codec(name, shape):
     out = torch.zeros(shape)
     codec.decode_add(back, out)
     assert out.shape == shape
+
+
+# ---------------------------------------------------------------- CPU kernels against references
+def test_qsgd_levels_are_a_neighbouring_level_and_decode_by_the_protocol():
+    """Blocked encode: norms per bucket, signs, and each level floor(x) or floor(x) + 1 of
+    x = |g| s / norm; blocked decode equals the bit-plane reference of docs/protocol.md."""
+    from psgrad.codecs import _bits
+
+    grad, bucket, s = torch.randn(3001), 64, 16
+    codec = make_codec(f"qsgd:levels={s},bucket={bucket}")
+    msg = codec.encode(grad, seed=9)
+    norms = torch.cat([torch.linalg.vector_norm(b).reshape(1) for b in grad.split(bucket)])
+    torch.testing.assert_close(msg.arrays["norms"], norms)
+    levels = _bits.unpack_bits(msg.arrays["levels"], grad.numel(), codec.width).float()
+    scaled = grad.abs() * s / norms.repeat_interleave(bucket)[: grad.numel()]
+    assert torch.all((levels == scaled.floor()) | (levels == scaled.floor() + 1))
+    negative = _bits.unpack_bits(msg.arrays["signs"], grad.numel(), 1).bool()
+    assert torch.equal(negative, grad < 0)
+    reference = levels * torch.where(negative, -1.0, 1.0) * norms.repeat_interleave(bucket)[: grad.numel()] / s
+    torch.testing.assert_close(codec.decode(msg), reference)
+
+
+def test_terngrad_clip_scale_is_the_clipped_maximum():
+    grad = torch.randn(5000)
+    grad[7] = 40.0  # far beyond 2.5 sigma: clipping must bound the scale
+    msg = make_codec("terngrad:clip=1").encode(grad, seed=1)
+    torch.testing.assert_close(msg.arrays["scale"][0], 2.5 * grad.std())
+
+
+def test_uniforms_are_uniform_seeded_and_blocking_free():
+    from psgrad.codecs import _cpu
+
+    draws = _cpu.Uniforms(3, 1 << 16).at(0, 1 << 16).copy() - 1.0
+    assert 0.0 <= draws.min() and draws.max() < 1.0
+    histogram = torch.histc(torch.from_numpy(draws), bins=16, min=0.0, max=1.0)
+    assert torch.all((histogram - 4096).abs() < 5 * 64)  # 5 standard deviations of a bin count
+    other = _cpu.Uniforms(4, 1 << 16).at(0, 1 << 16)
+    assert abs(np.corrcoef(draws, other - 1.0)[0, 1]) < 0.02
+    again = _cpu.Uniforms(3, 100)
+    assert (again.at(40_000, 100) - 1.0 == draws[40_000:40_100]).all()

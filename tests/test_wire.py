@@ -40,6 +40,16 @@ def test_round_trip_preserves_everything(spec, compress):
         assert torch.equal(back.arrays[key], msg.arrays[key].contiguous())
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 255, 256, 65_535, 65_536, 70_001])
+def test_dumps_writes_exactly_what_msgpack_would(nbytes):
+    """dumps joins the array bytes itself (one copy); the bytes must be msgpack's own, bin 8,
+    bin 16 and bin 32 headers included."""
+    arrays = {"values": torch.arange(nbytes, dtype=torch.uint8), "norms": torch.ones(3)}
+    msg = Message("none", {}, (nbytes,), "float32", arrays, seed=5, step=2, layer="fc", meta={"skip": True})
+    header = msgpack.unpackb(wire.dumps(msg, compress="never"), raw=False)
+    assert wire.dumps(msg, compress="never") == msgpack.packb(header, use_bin_type=True)
+
+
 def test_blosc_pays_on_sorted_index_gaps():
     msg = _message("topk:ratio=0.01", (1 << 16,))
     assert len(wire.dumps(msg)) < 0.8 * len(wire.dumps(msg, compress="never"))

@@ -84,23 +84,38 @@ def indices_at_least(x: np.ndarray, threshold: float) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-class Uniforms:
-    """U[1, 2) float32 draws, a block at a time, fixed by the seed.
+_GOLDEN = np.uint32(0x9E37_79B9)  # 2^32 / golden ratio: consecutive indices land far apart
+_MANTISSA = np.uint32(0x007F_FFFF)
 
-    1. Draw 64 random bits per two elements from numpy's PCG64 (``random_raw``: half the cost
-       of ``Generator.random``'s float conversion).
-    2. Keep 23 bits of each 32-bit half as the mantissa under 1.0's exponent: a float in [1, 2)
-       with 2^23 equally likely values (as fine as ``Generator.random(dtype=float32)``'s 2^24).
-    Callers subtract 1, or fold the 1 into what they compare against.
+
+class Uniforms:
+    """Counter-based U[1, 2) float32 draws: element i's draw depends only on the seed and i.
+
+    1. key = 32 bits of the seed, mixed by numpy's SeedSequence.
+    2. x = i * 0x9E3779B9 + key (mod 2^32): for any fixed i, uniform over 2^32 values as the
+       key is.
+    3. x = murmur3's finalizer fmix32(x) (xor-shift 16, * 0x85EBCA6B, xor-shift 13,
+       * 0xC2B2AE35, xor-shift 16), a bijection that scrambles neighbouring counters.
+    4. Keep 23 bits as the mantissa under 1.0's exponent: a float in [1, 2).
+    Eleven vectorized uint32 operations per block: half the cost of drawing from PCG64
+    (``random_raw``) here, and the draws do not depend on how the tensor is blocked. Callers
+    subtract 1, or fold the 1 into what they compare against.
     """
 
     def __init__(self, seed: int, capacity: int) -> None:
-        self._bits = np.random.PCG64(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-        self._words = np.empty(capacity + capacity % 2, dtype=np.uint32)
+        state = np.random.SeedSequence(int(seed) & 0xFFFF_FFFF_FFFF_FFFF).generate_state(1, np.uint32)
+        self._key = int(state[0])
+        self._base = np.arange(capacity, dtype=np.uint32) * _GOLDEN
+        self._words, self._shifted = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=np.uint32)
 
-    def take(self, count: int) -> np.ndarray:
-        words = self._words[: count + count % 2]
-        words.view(np.uint64)[:] = self._bits.random_raw(len(words) // 2)
-        words >>= 9
-        words |= _ONE
-        return words[:count].view(np.float32)
+    def at(self, start: int, count: int) -> np.ndarray:
+        """The draws of elements ``start .. start + count - 1`` (a view of a reused buffer)."""
+        words, shifted = self._words[:count], self._shifted[:count]
+        np.add(self._base[:count], np.uint32((start * int(_GOLDEN) + self._key) & 0xFFFF_FFFF), out=words)
+        for shift, factor in ((16, 0x85EB_CA6B), (13, 0xC2B2_AE35), (16, None)):
+            np.bitwise_xor(words, np.right_shift(words, np.uint32(shift), out=shifted), out=words)
+            if factor is not None:
+                np.multiply(words, np.uint32(factor), out=words)
+        np.bitwise_and(words, _MANTISSA, out=words)
+        np.bitwise_or(words, _ONE, out=words)
+        return words.view(np.float32)

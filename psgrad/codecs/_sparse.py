@@ -18,8 +18,9 @@ class SparseCodec(Codec):
     def _value_dtype(self) -> torch.dtype:
         return VALUE_DTYPES[str(self.params.get("values", "fp32"))]
 
-    def _pack(self, flat: torch.Tensor, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        indices = torch.sort(indices).values
+    def _pack(self, flat: torch.Tensor, indices: torch.Tensor, presorted: bool = False) -> dict[str, torch.Tensor]:
+        if not presorted:
+            indices = torch.sort(indices).values
         values = flat[indices]
         if self._value_dtype() == torch.float16:
             values = values.clamp(-65504.0, 65504.0)

@@ -88,7 +88,7 @@ class QSGDCodec(Codec):
         for start, stop in _cpu.blocks(n, multiple):
             count, block = stop - start, x[start:stop]
             level = _per_bucket_cpu(np.abs(block, out=scaled[:count]), bucket, inv[start // bucket :])
-            level += uniforms.take(count)
+            level += uniforms.at(start, count)
             np.floor(level, out=level)
             np.clip(level, 1, s + 1, out=level)
             code = codes[:count]

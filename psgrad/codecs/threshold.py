@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from . import _cpu
 from ._sparse import VALUE_DTYPES, SparseCodec
 from .base import register
 
@@ -23,7 +24,11 @@ class ThresholdCodec(SparseCodec):
             raise ValueError(f"threshold: v must be >= 0, got {params['v']}")
 
     def _encode(self, flat, shape, seed):
-        return self._pack(flat, torch.nonzero(flat.abs() >= float(self.params["v"])).view(-1))
+        if flat.device.type == "cpu":
+            indices = torch.from_numpy(_cpu.indices_at_least(flat.numpy(), float(self.params["v"])))
+        else:
+            indices = torch.nonzero(flat.abs() >= float(self.params["v"])).view(-1)
+        return self._pack(flat, indices, presorted=True)
 
     def _check_values(self, msg):
         if msg.arrays["gaps"].numel() > msg.numel:

@@ -95,7 +95,46 @@ def dumps(msg: Message, compress: str = "auto") -> bytes:
             for name, arr in msg.arrays.items()
         },
     }
-    return msgpack.packb(header, use_bin_type=True)
+    return _packb(header)
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin 8 / bin 16 / bin 32 header, the smallest that holds ``size``."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+def _packb(header: dict[str, Any]) -> bytes:
+    """Exactly ``msgpack.packb(header, use_bin_type=True)``, with one copy of the array bytes
+    instead of three.
+
+    1. msgpack packs the header's fields; the ``arrays`` map (the last key) is written entry by
+       entry, each array's data as a bin header followed by a view of its bytes.
+    2. One ``join`` copies the pieces into the message. (msgpack's own packer grows its buffer
+       by doubling and copies it once more into the bytes it returns: for a dense 4 M-element
+       layer that was 3 copies of 16 MB and thousands of fresh pages per message.)
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    pieces: list[bytes | memoryview] = [packer.pack_map_header(len(header))]
+    for key, value in header.items():
+        pieces.append(packer.pack(key))
+        if key != "arrays":
+            pieces.append(packer.pack(value))
+            continue
+        pieces.append(packer.pack_map_header(len(value)))
+        for name, entry in value.items():
+            pieces.append(packer.pack(name))
+            pieces.append(packer.pack_map_header(len(entry)))
+            for field, item in entry.items():
+                pieces.append(packer.pack(field))
+                if field == "b":
+                    pieces += [_bin_header(len(item)), item]
+                else:
+                    pieces.append(packer.pack(item))
+    return b"".join(pieces)
 
 
 # ---------------------------------------------------------------------------- loads
