@@ -12,7 +12,8 @@ imports it. For every size and pair of the same method:
 2. Round r = 1..repeat (after one warm-up of each): time psgrad's round trip as the server's hot
    path runs it (encode + wire.dumps, then wire.loads + decode_add into a kept accumulator), then
    GRACE's compress + decompress on the same tensor (GRACE serializes nothing; its time is
-   conservative in its favour).
+   conservative in its favour). Before each timed call a 128 MB buffer is written, so that
+   both start with the tensor out of cache (as a layer's gradient is after backward).
 3. Report both medians, psgrad's GB/s (dense fp32 bytes / round trip) and the median of the
    per-round ratios GRACE time / psgrad time (> 1: psgrad is faster).
 """
@@ -52,7 +53,13 @@ def _grace(root: Path, module: str, cls: str, args: tuple):
     return getattr(importlib.import_module(f"grace_dl.torch.compressor.{module}"), cls)(*args)
 
 
+_EVICT = torch.empty(1 << 25)  # 128 MB: more than the 32 MB L3 of the machines measured here
+
+
 def _seconds(fn) -> float:
+    """One timed call with cold caches: neither side may find the tensor in cache because the
+    other just read it (4 M fp32 elements fit in a 32 MB L3)."""
+    _EVICT.fill_(1.0)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

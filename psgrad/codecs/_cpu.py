@@ -65,7 +65,10 @@ def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float
     values = np.empty((min(n, BLOCK) + 7) // 8 * 8, dtype=np.float32)
     for start, stop in blocks(n):
         count, nbytes = stop - start, (stop - start + 7) // 8
-        block = np.take(rows, packed[start // 8 : start // 8 + nbytes], axis=0, out=values[: 8 * nbytes].reshape(-1, 8))
+        # mode="wrap" skips numpy's per-index bounds check (a byte cannot leave a 256-row table)
+        block = np.take(
+            rows, packed[start // 8 : start // 8 + nbytes], axis=0, out=values[: 8 * nbytes].reshape(-1, 8), mode="wrap"
+        )
         target = out[start:stop]
         np.add(target, block.reshape(-1)[:count], out=target)
 

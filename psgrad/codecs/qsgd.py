@@ -89,10 +89,10 @@ class QSGDCodec(Codec):
             count, block = stop - start, x[start:stop]
             level = _per_bucket_cpu(np.abs(block, out=scaled[:count]), bucket, inv[start // bucket :])
             level += uniforms.at(start, count)
-            np.floor(level, out=level)
-            np.clip(level, 1, s + 1, out=level)
             code = codes[:count]
-            np.copyto(code, level, casting="unsafe")
+            np.copyto(code, level, casting="unsafe")  # level >= 1: truncation is floor
+            if code.max() > s + 1:  # rounding pushed |x| s / norm past s (numpy's minimum is slow)
+                np.minimum(code, np.uint8(s + 1), out=code)
             code -= 1
             for j in range(width):
                 levels[j * plane + start // 8 : j * plane + (stop + 7) // 8] = np.packbits(code & (1 << j))

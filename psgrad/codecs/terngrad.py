@@ -59,10 +59,10 @@ class TernGradCodec(Codec):
             if self.params["clip"]:  # BLAS dots: a sum and a sum of squares at memory speed
                 total += float(np.dot(block, ones[: stop - start]))
                 squares += float(np.dot(block, block))
-        scale, bound = peak, None
+        scale = peak
         if self.params["clip"] and n > 1:  # torch.std's estimator: divide by n - 1
-            bound = np.float32(_SIGMAS * math.sqrt(max(0.0, squares - total * total / n) / (n - 1)))
-            scale = min(peak, float(bound))
+            bound = _SIGMAS * math.sqrt(max(0.0, squares - total * total / n) / (n - 1))
+            scale = min(peak, bound)
         plane = _bits.packed_nbytes(n, 1)
         codes = np.empty(2 * plane, dtype=np.uint8)
         magnitude, keep = _cpu.block_buffer(n, np.float32), _cpu.block_buffer(n, np.bool_)
@@ -70,9 +70,8 @@ class TernGradCodec(Codec):
         uniforms = _cpu.Uniforms(seed, len(magnitude))
         for start, stop in _cpu.blocks(n):
             count, block = stop - start, x[start:stop]
+            # no clamp to the bound needed: scale <= bound, so an entry beyond it is kept either way
             mag = np.abs(block, out=magnitude[:count])
-            if bound is not None:
-                np.minimum(mag, bound, out=mag)
             mag += np.float32(scale)
             draw = uniforms.at(start, count)
             draw *= np.float32(scale)

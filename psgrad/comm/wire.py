@@ -203,10 +203,14 @@ def _unpack_array(name: str, entry: dict[str, Any], declared: tuple[np.dtype, tu
         nbytes, cbytes, _ = blosc.get_cbuffer_sizes(data)
         if nbytes != expected or cbytes != len(data):
             _fail(f"array {name!r}: blosc holds {nbytes} bytes, shape {shape} needs {expected}")
-        try:
-            data = blosc.decompress(data)
+        array = np.empty(shape, dtype=np_dtype)
+        try:  # straight into the array: one copy, not two (bytes, then a writable copy)
+            written = blosc.decompress_ptr(data, array.ctypes.data)
         except Exception as err:  # blosc raises RuntimeError/ValueError on corrupt blocks
             raise WireError(f"array {name!r}: blosc could not decompress: {err}") from None
+        if written != expected:
+            _fail(f"array {name!r}: blosc wrote {written} bytes, shape {shape} needs {expected}")
+        return torch.from_numpy(array)
     if len(data) != expected:
         _fail(f"array {name!r}: {len(data)} bytes, shape {shape} x {np_dtype.itemsize} needs {expected}")
     array = np.frombuffer(bytearray(data), dtype=np_dtype).reshape(shape)
