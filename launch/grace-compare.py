@@ -25,7 +25,6 @@ import importlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -53,18 +52,6 @@ def _grace(root: Path, module: str, cls: str, args: tuple):
     return getattr(importlib.import_module(f"grace_dl.torch.compressor.{module}"), cls)(*args)
 
 
-_EVICT = torch.empty(1 << 25)  # 128 MB: more than the 32 MB L3 of the machines measured here
-
-
-def _seconds(fn) -> float:
-    """One timed call with cold caches: neither side may find the tensor in cache because the
-    other just read it (4 M fp32 elements fit in a 32 MB L3)."""
-    _EVICT.fill_(1.0)
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def compare(grace_root: Path, sizes: list[int], repeat: int, seed: int = 0) -> list[dict]:
     """Run the pairs on every size; see the module docstring."""
     rows = []
@@ -72,6 +59,7 @@ def compare(grace_root: Path, sizes: list[int], repeat: int, seed: int = 0) -> l
         grad = torch.randn(codecbench.matrix_for(size), generator=torch.Generator().manual_seed(seed))
         dense = grad.numel() * 4
         acc = torch.zeros_like(grad)
+        timer = codecbench.ColdTimer()
         for spec, module, cls, args in PAIRS:
             codec, grace = make_codec(spec), _grace(grace_root, module, cls, args)
 
@@ -84,7 +72,7 @@ def compare(grace_root: Path, sizes: list[int], repeat: int, seed: int = 0) -> l
                 grace.decompress(compressed, ctx)
 
             ours(), theirs()
-            times = [(_seconds(ours), _seconds(theirs)) for _ in range(repeat)]
+            times = [(timer.seconds(ours), timer.seconds(theirs)) for _ in range(repeat)]
             psgrad_s = statistics.median(t[0] for t in times)
             rows.append(
                 {
@@ -108,12 +96,6 @@ def _line(row: dict) -> str:
     )
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grace", type=Path, required=True, help="a checkout of sands-lab/grace")
@@ -126,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(json.dumps(codecbench.machine()))
     print(f"{'size':>9s} {'psgrad':28s} {'GRACE':22s} {'psgrad ms':>9s} {'GRACE ms':>9s} {'GB/s':>8s} {'speedup':>9s}")
-    rows = compare(opts.grace, [_size(s) for s in opts.sizes.split(",")], opts.repeat)
+    rows = compare(opts.grace, [codecbench.parse_size(s) for s in opts.sizes.split(",")], opts.repeat)
     if opts.json:
         opts.json.write_text(json.dumps({"machine": codecbench.machine(), "rows": rows}, indent=1))
 

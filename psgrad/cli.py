@@ -9,6 +9,7 @@ import torch
 
 from .bench import codecbench
 from .codecs import available_codecs, make_codec
+from .models import MODELS, build_model
 from .options import config_from, run_options
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
@@ -75,8 +76,29 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
     return specs
 
 
+def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(codecbench.parse_size(item) for item in value.split(",") if item.strip())
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 @main.command()
-@click.option("--size", type=click.IntRange(min=1), default=1 << 20, help="Gradient elements (fp32) to encode.")
+@click.option(
+    "--sizes",
+    default="256K,4M,16M",
+    callback=_sizes,
+    help="Gradient sizes in fp32 elements, comma-separated (K and M are 2^10 and 2^20); one table each.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default=None,
+    help="Instead of --sizes: code the gradient of this model's every layer, one message a layer (one table).",
+)
+@click.option("--depth", type=click.IntRange(min=10), default=28, help="With --model wrn: WideResNet depth.")
+@click.option("--widen-factor", type=click.IntRange(min=1), default=10, help="With --model wrn: width multiplier.")
+@click.option("--classes", type=click.Choice(["10", "100"]), default="100", help="With --model: output classes.")
 @click.option("--repeat", type=click.IntRange(min=1), default=5, help="Timed runs per codec; the median is reported.")
 @click.option(
     "--codecs",
@@ -86,17 +108,32 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
     help="Codec specs separated by ';' (e.g. 'qsgd:levels=4;topk:ratio=0.01'); default: a representative set.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="torch threads (1 = what one MPI rank uses).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (machine, rows) instead of a table.")
-def codecs(size: int, repeat: int, specs: tuple[str, ...], threads: int, as_json: bool) -> None:
-    """Bytes on the wire and encode/decode throughput of every codec, against a memcpy."""
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (machine, rows) instead of tables.")
+def codecs(
+    sizes: tuple[int, ...],
+    model: str | None,
+    depth: int,
+    widen_factor: int,
+    classes: str,
+    repeat: int,
+    specs: tuple[str, ...],
+    threads: int,
+    as_json: bool,
+) -> None:
+    """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
+    bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
     torch.set_num_threads(threads)
-    rows = codecbench.run(specs, size=size, repeat=repeat)
+    if model is not None:
+        net = build_model(model, int(classes), depth=depth, widen_factor=widen_factor)
+        shapes = [tuple(p.shape) for p in net.parameters()]
+        click.echo(f"{model}: {len(shapes)} layers, {sum(p.numel() for p in net.parameters()):,} parameters", err=True)
+        rows = codecbench.run_model(specs, shapes, repeat=repeat)
+    else:
+        rows = codecbench.run(specs, sizes=sizes, repeat=repeat)
     if as_json:
-        click.echo(
-            json.dumps({"machine": codecbench.machine(), "size": size, "rows": codecbench.as_dicts(rows)}, indent=1)
-        )
+        click.echo(json.dumps({"machine": codecbench.machine(), "rows": codecbench.as_dicts(rows)}, indent=1))
         return
-    click.echo(f"{size} fp32 elements ({size * 4 / 1e6:.1f} MB), median of {repeat}, {threads} thread(s)")
+    click.echo(f"median of {repeat}, {threads} thread(s), caches cold before every call")
     click.echo(codecbench.table(rows))
     click.echo(f"available codecs: {', '.join(available_codecs())}")
 
