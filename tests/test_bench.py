@@ -233,7 +233,9 @@ def test_codec_report_per_size_and_per_model():
     rows = json.loads(out.output)["rows"]
     assert [(r["codec"], r["size"]) for r in rows] == [("none", 1024), ("sign", 1024), ("none", 8192), ("sign", 8192)]
     assert rows[3]["wire_bytes"] < rows[2]["wire_bytes"] / 25 and rows[0]["memcpy_gbps"] > 0
-    model = runner.invoke(main, ["codecs", "--model", "resnet20", "--repeat", "1", "--codecs", "topk:ratio=0.1", "--json"])
+    model = runner.invoke(
+        main, ["codecs", "--model", "resnet20", "--repeat", "1", "--codecs", "topk:ratio=0.1", "--json"]
+    )
     assert model.exit_code == 0, model.output
     (row,) = json.loads(model.stdout)["rows"]
     assert row["size"] == 275_572 and row["tensors"] == 59

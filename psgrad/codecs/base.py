@@ -140,8 +140,9 @@ class Codec:
     def encode_residual(self, x: torch.Tensor, seed: int = 0) -> Message:
         """Encode fp32 ``x`` and leave in ``x`` what the message lost: ``x -= decode(msg)``.
 
-        Error feedback needs exactly this; a codec may fuse the two halves (sign reuses its
-        decoded signs for the scale and the residual).
+        Error feedback needs exactly this; a codec may fuse the two halves. (The blocked CPU
+        kernels made the plain pair as fast as sign's fused version was: decode_add adds into
+        ``x`` without a dense temporary.)
         """
         msg = self.encode(x, seed=seed)
         self.decode_add(msg, x, alpha=-1.0)
