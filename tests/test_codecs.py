@@ -347,3 +347,15 @@ def test_uniforms_are_uniform_seeded_and_blocking_free():
     assert abs(np.corrcoef(draws, other - 1.0)[0, 1]) < 0.02
     again = _cpu.Uniforms(3, 100)
     assert (again.at(40_000, 100) - 1.0 == draws[40_000:40_100]).all()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_add_into_a_parameter_that_requires_grad(spec):
+    """Workers decode down-link deltas straight into their parameters (under no_grad)."""
+    grad = torch.randn(30, 20)
+    codec = make_codec(spec)
+    msg = codec.encode(grad, seed=2)
+    param = torch.nn.Parameter(torch.ones(30, 20))
+    with torch.no_grad():
+        codec.decode_add(msg, param, alpha=-0.5)
+    torch.testing.assert_close(param.detach(), 1 - 0.5 * codec.decode(msg))

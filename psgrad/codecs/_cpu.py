@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 BLOCK = 1 << 16
 """Elements per block: 256 KB of fp32, so a block and its temporaries fit in L2."""
@@ -23,6 +24,12 @@ BIT_ROWS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype
 # row b = the 8 signs (+1.0 / -1.0): a set bit means negative
 SIGN_ROWS = 1.0 - 2.0 * BIT_ROWS
 _ONE = np.uint32(0x3F80_0000)  # the bits of 1.0f: OR-ed under 23 random mantissa bits gives [1, 2)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's memory as numpy, shared when it is on the CPU. Detached: decode_add also writes
+    into parameters that require grad (under no_grad), and ``numpy()`` refuses those."""
+    return t.detach().cpu().numpy()
 
 
 def blocks(n: int, multiple: int = 8) -> Iterator[tuple[int, int]]:

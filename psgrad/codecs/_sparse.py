@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _bits
+from . import _bits, _cpu
 from .base import Codec, Message
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -23,8 +23,8 @@ class SparseCodec(Codec):
         if not presorted:
             indices = torch.sort(indices).values
         if flat.device.type == "cpu":  # numpy's gather and diff: ~2.5x torch's here
-            where = indices.numpy()
-            values = torch.from_numpy(flat.numpy()[where])
+            where = _cpu.host(indices)
+            values = torch.from_numpy(_cpu.host(flat)[where])
             gaps = torch.from_numpy(np.diff(where, prepend=0).astype(np.int32))
             if self._value_dtype() == torch.float16:
                 values = values.clamp(-65504.0, 65504.0)
@@ -58,8 +58,8 @@ class SparseCodec(Codec):
             # numpy's is ~1.6x torch's index_add_ here
             if alpha != 1.0:
                 values = values * alpha
-            target = out.view(-1).numpy()
-            target[indices.numpy()] += values.numpy()
+            target = _cpu.host(out.view(-1))
+            target[_cpu.host(indices)] += _cpu.host(values)
             return
         out.view(-1).index_add_(0, indices, values, alpha=alpha)
 

@@ -66,7 +66,7 @@ class QSGDCodec(Codec):
         norms = self._norms(flat)
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         if flat.device.type == "cpu":
-            return self._encode_cpu(flat.numpy(), norms, inv.numpy(), seed)
+            return self._encode_cpu(_cpu.host(flat), norms, _cpu.host(inv), seed)
         scaled = self._per_bucket(flat.abs(), bucket, inv)
         levels = scaled.add_(_bits.uniform(n, seed, flat.device)).floor_().clamp_(max=s)
         return {
@@ -117,12 +117,12 @@ class QSGDCodec(Codec):
             return
         n, bucket, width = msg.numel, int(self.params["bucket"]), self.width
         plane = _bits.packed_nbytes(n, 1)
-        levels, signs = msg.arrays["levels"].numpy(), msg.arrays["signs"].numpy()
-        factors = msg.arrays["norms"].numpy() * np.float32(alpha / int(self.params["levels"]))
+        levels, signs = _cpu.host(msg.arrays["levels"]), _cpu.host(msg.arrays["signs"])
+        factors = _cpu.host(msg.arrays["norms"]) * np.float32(alpha / int(self.params["levels"]))
         multiple = math.lcm(bucket, 8)
         codes, values = _cpu.block_buffer(n, np.uint8, multiple), _cpu.block_buffer(n, np.float32, multiple)
         words = _cpu.block_buffer(n, np.uint32, multiple)
-        target = out.view(-1).numpy()
+        target = _cpu.host(out.view(-1))
         for start, stop in _cpu.blocks(n, multiple):
             count, first, last = stop - start, start // 8, (stop + 7) // 8
             code = codes[:count]

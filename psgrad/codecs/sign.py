@@ -23,7 +23,7 @@ class SignCodec(Codec):
 
     def _encode(self, flat, shape, seed):
         if flat.device.type == "cpu":
-            packed, l1 = _cpu.negative_bits(flat.numpy(), with_l1=True)
+            packed, l1 = _cpu.negative_bits(_cpu.host(flat), with_l1=True)
             scale = torch.tensor([l1 / max(1, flat.numel())], dtype=torch.float32)
             return {"scale": scale, "signs": torch.from_numpy(packed)}
         scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
@@ -37,7 +37,7 @@ class SignCodec(Codec):
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
         scale = msg.arrays["scale"].to(out.device)
         if out.device.type == "cpu" and out.dtype == torch.float32:
-            _cpu.add_rows(_cpu.SIGN_ROWS, msg.arrays["signs"].numpy(), out.view(-1).numpy(), alpha * float(scale))
+            _cpu.add_rows(_cpu.SIGN_ROWS, _cpu.host(msg.arrays["signs"]), _cpu.host(out.view(-1)), alpha * float(scale))
             return
         signs = _bits.unpack_signs(msg.arrays["signs"].to(out.device), msg.numel)
         out.view(-1).addcmul_(signs, scale, value=alpha)

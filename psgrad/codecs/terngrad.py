@@ -33,7 +33,7 @@ class TernGradCodec(Codec):
 
     def _encode(self, flat, shape, seed):
         if flat.device.type == "cpu":
-            return self._encode_cpu(flat.numpy(), seed)
+            return self._encode_cpu(_cpu.host(flat), seed)
         if self.params["clip"] and flat.numel() > 1:
             bound = _SIGMAS * float(flat.std())
             flat = flat.clamp(-bound, bound)
@@ -88,8 +88,8 @@ class TernGradCodec(Codec):
         if out.device.type != "cpu" or out.dtype != torch.float32:
             super().decode_add(msg, out, alpha)
             return
-        codes, plane = msg.arrays["codes"].numpy(), _bits.packed_nbytes(msg.numel, 1)
-        scale, target = alpha * float(msg.arrays["scale"][0]), out.view(-1).numpy()
+        codes, plane = _cpu.host(msg.arrays["codes"]), _bits.packed_nbytes(msg.numel, 1)
+        scale, target = alpha * float(msg.arrays["scale"][0]), _cpu.host(out.view(-1))
         _cpu.add_rows(_cpu.BIT_ROWS, codes[:plane], target, scale)
         _cpu.add_rows(_cpu.BIT_ROWS, codes[plane:], target, -scale)
 

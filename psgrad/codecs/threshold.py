@@ -25,7 +25,7 @@ class ThresholdCodec(SparseCodec):
 
     def _encode(self, flat, shape, seed):
         if flat.device.type == "cpu":
-            indices = torch.from_numpy(_cpu.indices_at_least(flat.numpy(), float(self.params["v"])))
+            indices = torch.from_numpy(_cpu.indices_at_least(_cpu.host(flat), float(self.params["v"])))
         else:
             indices = torch.nonzero(flat.abs() >= float(self.params["v"])).view(-1)
         return self._pack(flat, indices, presorted=True)

@@ -91,7 +91,7 @@ class TopKCodec(SparseCodec):
             return self._pack(flat, torch.empty(0, dtype=torch.int64, device=flat.device))
         k = self.k_for(n)
         if flat.device.type == "cpu":
-            return self._pack(flat, torch.from_numpy(sampled_topk_cpu(flat.numpy(), k, seed)), presorted=True)
+            return self._pack(flat, torch.from_numpy(sampled_topk_cpu(_cpu.host(flat), k, seed)), presorted=True)
         magnitude = flat.abs()
         if self.params["approx"] and n > 4 * k and n > 2 * _SAMPLE:
             indices = sampled_topk_indices(magnitude, k, seed)
