@@ -11,7 +11,9 @@ torch 2.13 CPU, one thread). Codecs call these for CPU tensors and keep torch co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +26,21 @@ BIT_ROWS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype
 # row b = the 8 signs (+1.0 / -1.0): a set bit means negative
 SIGN_ROWS = 1.0 - 2.0 * BIT_ROWS
 _ONE = np.uint32(0x3F80_0000)  # the bits of 1.0f: OR-ed under 23 random mantissa bits gives [1, 2)
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def quiet(fn: _F) -> _F:
+    """Run ``fn`` with numpy's floating-point warnings off: a non-finite gradient is the training
+    loop's business (``--on-nonfinite``), and torch, which these kernels replace, never warned."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def host(t: torch.Tensor) -> np.ndarray:
@@ -45,6 +62,7 @@ def block_buffer(n: int, dtype, multiple: int = 8) -> np.ndarray:
     return np.empty(min(n, max(multiple, BLOCK // multiple * multiple)), dtype=dtype)
 
 
+@quiet
 def negative_bits(x: np.ndarray, with_l1: bool = False) -> tuple[np.ndarray, float]:
     """One bit per element, set where ``x < 0``, packed 8 to a byte (most significant first);
     with ``with_l1`` also the sum of ``|x|`` (float64 across blocks), in the same pass."""
@@ -63,6 +81,7 @@ def negative_bits(x: np.ndarray, with_l1: bool = False) -> tuple[np.ndarray, flo
     return packed, l1
 
 
+@quiet
 def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float) -> None:
     """``out += scale * rows[packed].ravel()[:out.size]``: a 256 x 8 table turns each packed byte
     into its 8 values at once, one block at a time (no full-size temporary)."""
@@ -80,6 +99,7 @@ def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float
         np.add(target, block.reshape(-1)[:count], out=target)
 
 
+@quiet
 def indices_at_least(x: np.ndarray, threshold: float) -> np.ndarray:
     """The sorted int64 indices of the entries with ``|x| >= threshold``."""
     n = x.size

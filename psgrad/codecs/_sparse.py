@@ -19,6 +19,7 @@ class SparseCodec(Codec):
     def _value_dtype(self) -> torch.dtype:
         return VALUE_DTYPES[str(self.params.get("values", "fp32"))]
 
+    @_cpu.quiet
     def _pack(self, flat: torch.Tensor, indices: torch.Tensor, presorted: bool = False) -> dict[str, torch.Tensor]:
         if not presorted:
             indices = torch.sort(indices).values
@@ -50,6 +51,7 @@ class SparseCodec(Codec):
         self.decode_add(msg, out)
         return out
 
+    @_cpu.quiet
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
         indices = _bits.delta_decode(msg.arrays["gaps"].to(out.device))
         values = msg.arrays["values"].to(out.device, torch.float32)

@@ -75,6 +75,7 @@ class QSGDCodec(Codec):
             "signs": _bits.pack_negative(flat),
         }
 
+    @_cpu.quiet
     def _encode_cpu(self, x: np.ndarray, norms: torch.Tensor, inv: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
         """Steps 2-3 one block of whole buckets at a time (``_cpu``), with the uniforms of
         :class:`_cpu.Uniforms`: level = floor(|x| s / norm + u) - 1 for u in [1, 2)."""
@@ -109,6 +110,7 @@ class QSGDCodec(Codec):
         levels.mul_(_bits.unpack_signs(msg.arrays["signs"].to(device), n))
         return self._per_bucket(levels, bucket, msg.arrays["norms"].to(device) / s)
 
+    @_cpu.quiet
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
         """On the CPU one block at a time: the level from its bit planes, times its sign, times
         alpha * norm / s of its bucket, added to ``out``."""

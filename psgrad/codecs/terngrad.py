@@ -45,6 +45,7 @@ class TernGradCodec(Codec):
         codes = _bits.pack_planes([keep & ~negative, keep & negative])
         return {"scale": torch.tensor([scale], dtype=torch.float32), "codes": codes}
 
+    @_cpu.quiet
     def _encode_cpu(self, x: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
         """The same steps in two blocked passes (``_cpu``): the first finds max |g| (and with
         ``clip=1`` the standard deviation), the second draws u in [1, 2) and keeps an entry when
@@ -84,6 +85,7 @@ class TernGradCodec(Codec):
             codes[start // 8 : (stop + 7) // 8] = np.packbits(np.greater(kept, neg, out=chosen[:count]))
         return {"scale": torch.tensor([scale], dtype=torch.float32), "codes": torch.from_numpy(codes)}
 
+    @_cpu.quiet
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
         if out.device.type != "cpu" or out.dtype != torch.float32:
             super().decode_add(msg, out, alpha)

@@ -42,6 +42,7 @@ def sampled_topk_indices(magnitude: torch.Tensor, k: int, seed: int) -> torch.Te
     return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
 
 
+@_cpu.quiet
 def sampled_topk_cpu(x: np.ndarray, k: int, seed: int) -> np.ndarray:
     """:func:`sampled_topk_indices` in numpy, for every size, sorted: candidates are found one
     block at a time (``_cpu.indices_at_least``, no full-size ``|x|``), and the exact top-k among
