@@ -52,7 +52,7 @@ def _grace(root: Path, module: str, cls: str, args: tuple):
     return getattr(importlib.import_module(f"grace_dl.torch.compressor.{module}"), cls)(*args)
 
 
-def compare(grace_root: Path, sizes: list[int], repeat: int, seed: int = 0) -> list[dict]:
+def compare(grace_root: Path, sizes: list[int], repeat: int, only: set[str] | None = None, seed: int = 0) -> list[dict]:
     """Run the pairs on every size; see the module docstring."""
     rows = []
     for size in sizes:
@@ -61,6 +61,8 @@ def compare(grace_root: Path, sizes: list[int], repeat: int, seed: int = 0) -> l
         acc = torch.zeros_like(grad)
         timer = codecbench.ColdTimer()
         for spec, module, cls, args in PAIRS:
+            if only and spec.split(":")[0] not in only:
+                continue
             codec, grace = make_codec(spec), _grace(grace_root, module, cls, args)
 
             def ours(codec=codec, grad=grad, acc=acc):
@@ -101,6 +103,9 @@ def main() -> None:
     parser.add_argument("--grace", type=Path, required=True, help="a checkout of sands-lab/grace")
     parser.add_argument("--sizes", default="4M,16M", help="elements per tensor, comma-separated (K, M suffixes)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds; medians are reported")
+    parser.add_argument(
+        "--only", default="", help="psgrad codec names to measure, comma-separated (default: all pairs)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     opts = parser.parse_args()
     if not (opts.grace / "grace_dl" / "torch" / "compressor").is_dir():
@@ -108,7 +113,12 @@ def main() -> None:
     torch.set_num_threads(1)
     print(json.dumps(codecbench.machine()))
     print(f"{'size':>9s} {'psgrad':28s} {'GRACE':22s} {'psgrad ms':>9s} {'GRACE ms':>9s} {'GB/s':>8s} {'speedup':>9s}")
-    rows = compare(opts.grace, [codecbench.parse_size(s) for s in opts.sizes.split(",")], opts.repeat)
+    rows = compare(
+        opts.grace,
+        [codecbench.parse_size(s) for s in opts.sizes.split(",")],
+        opts.repeat,
+        {n for n in opts.only.split(",") if n},
+    )
     if opts.json:
         opts.json.write_text(json.dumps({"machine": codecbench.machine(), "rows": rows}, indent=1))
 

@@ -100,18 +100,22 @@ def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float
 
 
 @quiet
-def indices_at_least(x: np.ndarray, threshold: float) -> np.ndarray:
-    """The sorted int64 indices of the entries with ``|x| >= threshold``."""
+def entries_at_least(x: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted int64 indices of the entries with ``|x| >= threshold``, and their values
+    (gathered from each block while it is still in cache)."""
     n = x.size
     magnitude, keep = block_buffer(n, np.float32), block_buffer(n, np.bool_)
-    parts = []
+    indices, values = [], []
     for start, stop in blocks(n):
-        count = stop - start
-        np.abs(x[start:stop], out=magnitude[:count])
+        count, block = stop - start, x[start:stop]
+        np.abs(block, out=magnitude[:count])
         found = np.flatnonzero(np.greater_equal(magnitude[:count], threshold, out=keep[:count]))
         if found.size:
-            parts.append(found + start)
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            values.append(block[found])
+            indices.append(found + start)
+    if not indices:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=x.dtype)
+    return np.concatenate(indices), np.concatenate(values)
 
 
 _GOLDEN = np.uint32(0x9E37_79B9)  # 2^32 / golden ratio: consecutive indices land far apart

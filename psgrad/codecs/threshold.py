@@ -25,10 +25,8 @@ class ThresholdCodec(SparseCodec):
 
     def _encode(self, flat, shape, seed):
         if flat.device.type == "cpu":
-            indices = torch.from_numpy(_cpu.indices_at_least(_cpu.host(flat), float(self.params["v"])))
-        else:
-            indices = torch.nonzero(flat.abs() >= float(self.params["v"])).view(-1)
-        return self._pack(flat, indices, presorted=True)
+            return self._pack_cpu(*_cpu.entries_at_least(_cpu.host(flat), float(self.params["v"])))
+        return self._pack(flat, torch.nonzero(flat.abs() >= float(self.params["v"])).view(-1))
 
     def _check_values(self, msg):
         if msg.arrays["gaps"].numel() > msg.numel:

@@ -43,29 +43,30 @@ def sampled_topk_indices(magnitude: torch.Tensor, k: int, seed: int) -> torch.Te
 
 
 @_cpu.quiet
-def sampled_topk_cpu(x: np.ndarray, k: int, seed: int) -> np.ndarray:
-    """:func:`sampled_topk_indices` in numpy, for every size, sorted: candidates are found one
-    block at a time (``_cpu.indices_at_least``, no full-size ``|x|``), and the exact top-k among
-    them is numpy's introselect (``argpartition``)."""
+def sampled_topk_cpu(x: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sampled_topk_indices` in numpy, for every size: the sorted indices of the k largest
+    |x| and their values. Candidates are found one block at a time (``_cpu.entries_at_least``,
+    no full-size ``|x|``), and the exact top-k among them is numpy's introselect
+    (``argpartition``)."""
     n = x.size
     if n <= 2 * _SAMPLE or k * 4 >= n:
-        chosen = np.argpartition(np.abs(x), n - k)[n - k :] if k < n else np.arange(n)
-        return np.sort(chosen)
+        chosen = np.sort(np.argpartition(np.abs(x), n - k)[n - k :]) if k < n else np.arange(n)
+        return chosen, x[chosen]
     stride = max(1, n // _SAMPLE)
     sample = np.abs(x[seed % stride :: stride])
     ks = min(sample.size, max(1, math.ceil(_OVERSHOOT * k * sample.size / n)))
     threshold = float(np.partition(sample, sample.size - ks)[sample.size - ks])
     for _ in range(4):
-        candidates = _cpu.indices_at_least(x, threshold)
+        candidates, values = _cpu.entries_at_least(x, threshold)
         if candidates.size >= k:
             break
         threshold *= 0.5
     else:
-        candidates = np.arange(n)
+        candidates, values = np.arange(n), x
     if candidates.size > k:
-        magnitude = np.abs(x[candidates])
-        candidates = np.sort(candidates[np.argpartition(magnitude, magnitude.size - k)[magnitude.size - k :]])
-    return candidates
+        chosen = np.sort(np.argpartition(np.abs(values), values.size - k)[values.size - k :])
+        candidates, values = candidates[chosen], values[chosen]
+    return candidates, values
 
 
 @register
@@ -92,7 +93,7 @@ class TopKCodec(SparseCodec):
             return self._pack(flat, torch.empty(0, dtype=torch.int64, device=flat.device))
         k = self.k_for(n)
         if flat.device.type == "cpu":
-            return self._pack(flat, torch.from_numpy(sampled_topk_cpu(_cpu.host(flat), k, seed)), presorted=True)
+            return self._pack_cpu(*sampled_topk_cpu(_cpu.host(flat), k, seed))
         magnitude = flat.abs()
         if self.params["approx"] and n > 4 * k and n > 2 * _SAMPLE:
             indices = sampled_topk_indices(magnitude, k, seed)
