@@ -10,7 +10,7 @@ import torch
 from .bench import codecbench
 from .codecs import available_codecs, make_codec
 from .models import MODELS, build_model
-from .options import config_from, run_options
+from .options import config_from, config_option, run_options, with_config
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -143,7 +143,7 @@ def _train(role: str | None, options: dict) -> None:
     from .comm.transport import world_rank, world_size
     from .train import run
 
-    cfg = config_from(options)
+    cfg = config_from(with_config(options, options.pop("config_path", None)))
     try:
         layout = RankLayout(world_size(), cfg.servers, cfg.topology)
     except ValueError as err:
@@ -172,6 +172,7 @@ def _abort_job(message: str) -> None:
 
 @main.command()
 @run_options
+@config_option
 def train(**options) -> None:
     """Train under MPI; every rank runs this: `mpiexec -n 3 psgrad train ...` (rank 0 serves, 1-2 work)."""
     _train(None, options)
@@ -179,6 +180,7 @@ def train(**options) -> None:
 
 @main.command()
 @run_options
+@config_option
 def server(**options) -> None:
     """The server part of an MPMD launch: `mpiexec -n 1 psgrad server ... : -n 2 psgrad worker ...`."""
     _train("server", options)
@@ -186,6 +188,7 @@ def server(**options) -> None:
 
 @main.command()
 @run_options
+@config_option
 def worker(**options) -> None:
     """The worker part of an MPMD launch (same options as the server part)."""
     _train("worker", options)

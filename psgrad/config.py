@@ -52,6 +52,9 @@ class RunConfig:
     warmup_epochs: float = 0.0
     scale_lr: bool = False
     batch_size: int = 32
+    accumulate: int = 1  # micro-batches per batch: forward/backward on each, one gradient sent
+    clip_grad_norm: float = 0.0  # clip each worker's gradient to this L2 norm before coding; 0: off
+    amp: str = "off"  # mixed precision of forward/backward: off, bf16 or fp16 (with loss scaling)
     steps: int | None = None
     epochs: float = 1.0
     # system
@@ -109,6 +112,18 @@ class RunConfig:
         need(
             self.on_nonfinite in NONFINITE_POLICIES,
             f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.on_nonfinite!r}",
+        )
+        need(self.accumulate >= 1, f"--accumulate must be >= 1, got {self.accumulate}")
+        need(
+            self.batch_size >= self.accumulate,
+            f"--accumulate {self.accumulate} splits each batch into micro-batches: --batch-size {self.batch_size} is smaller",
+        )
+        need(self.clip_grad_norm >= 0, f"--clip-grad-norm must be >= 0 (0: off), got {self.clip_grad_norm}")
+        need(self.amp in ("off", "bf16", "fp16"), f"--amp must be off, bf16 or fp16, got {self.amp!r}")
+        need(
+            self.amp != "fp16" or self.on_nonfinite == "skip",
+            "--amp fp16 scales the loss and lowers the scale when a gradient overflows; the overflowing step "
+            "must be skipped, not end the run: add --on-nonfinite skip",
         )
         need(self.optimizer in ("sgd", "adam"), f"--optimizer must be sgd or adam, got {self.optimizer!r}")
         need(

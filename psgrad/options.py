@@ -3,6 +3,9 @@ attached to click commands by ``run_options``, and the parsing of a bench row's 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import click
 
 from .comm.protocol import NONFINITE_POLICIES, TOPOLOGIES
@@ -98,6 +101,27 @@ RUN_OPTIONS = [
         "layer granularity: send each layer from backward as soon as its gradient is ready, or code all "
         "layers after backward and send them first layer first (the next forward starts on the first "
         "replies while the rest are in flight).",
+    ),
+    (
+        "--accumulate",
+        "accumulate",
+        click.IntRange(min=1),
+        "Split each worker's batch into K micro-batches: forward and backward on each (less memory), "
+        "one summed gradient sent per step. Same effective batch and learning rate.",
+    ),
+    (
+        "--clip-grad-norm",
+        "clip_grad_norm",
+        click.FloatRange(min=0),
+        "Clip each worker's gradient to this L2 norm (over all its layers) before coding; 0: off. Needs the "
+        "whole gradient, so layers are coded after backward, as with --push after.",
+    ),
+    (
+        "--amp",
+        "amp",
+        click.Choice(["off", "bf16", "fp16"]),
+        "Mixed precision for forward and backward (torch.autocast, CPU or CUDA); fp16 also scales the loss "
+        "dynamically (as GradScaler) and needs --on-nonfinite skip. Gradients are coded in fp32.",
     ),
     (
         "--bucket-vectors/--no-bucket-vectors",
@@ -229,6 +253,44 @@ def run_options(fn):
             kwargs["type"] = kind
         fn = click.option(flag, field_name, **kwargs)(fn)
     return fn
+
+
+_INVOCATION_ONLY = ("resume", "overwrite")  # how that run was started, not what it was
+
+
+def config_option(fn):
+    """``--config``: start from a logged run's settings; options on the command line win."""
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(exists=True),
+        default=None,
+        help="Rerun a logged run: its config.json (or the log dir holding it) gives every setting, "
+        "and options given on the command line override them. --resume and --overwrite are not taken from it.",
+    )(fn)
+
+
+def with_config(options: dict, config_path: str | None) -> dict:
+    """``options`` with every value the command line did not set taken from ``config_path``
+    (a config.json or a log dir); a file psgrad cannot read is a usage error naming it."""
+    if config_path is None:
+        return options
+    from click.core import ParameterSource
+
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        saved = asdict(RunConfig.from_json(path.read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        raise click.UsageError(f"--config {config_path}: not a psgrad config.json ({err})") from None
+    for key in _INVOCATION_ONLY:
+        saved.pop(key, None)
+    ctx = click.get_current_context()
+    merged = dict(options)
+    for key, value in saved.items():
+        if key in merged and ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+            merged[key] = value
+    return merged
 
 
 def config_from(options: dict) -> RunConfig:

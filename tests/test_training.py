@@ -354,3 +354,60 @@ def test_log_dir_of_another_run_is_refused_unless_resume_or_overwrite(tmp_path):
     assert over.returncode == 0, over.stderr[-3000:]
     assert not (log / "tb").exists() and not (log / "ckpt-step4").exists() and (log / "ckpt-step2").exists()
     assert len((log / "metrics.csv").read_text().splitlines()) == 1 + 2
+
+
+def test_config_reruns_a_logged_run_with_command_line_overrides(tmp_path, monkeypatch):
+    """--config takes every setting of a logged run's config.json (or its log dir); options on
+    the command line win; --resume/--overwrite are not inherited; a bad file is a usage error."""
+    from click.testing import CliRunner
+
+    import psgrad.comm.transport as transport
+    import psgrad.train
+    from psgrad.cli import main
+
+    seen = []
+    monkeypatch.setattr(transport, "world_size", lambda: 3)
+    monkeypatch.setattr(transport, "world_rank", lambda: 0)
+    monkeypatch.setattr(psgrad.train, "run", seen.append)
+    logged = RunConfig(model="mlp", codec="qsgd:levels=4", lr=0.05, lr_milestones=(3, 7), steps=9, overwrite=True)
+    (tmp_path / "old").mkdir()
+    logged.save(tmp_path / "old", run={"world_size": 3})
+    runner = CliRunner()
+    out = runner.invoke(main, ["train", "--config", str(tmp_path / "old"), "--lr", "0.2"])
+    assert out.exit_code == 0, out.output
+    cfg = seen[-1]
+    assert (cfg.model, cfg.codec, cfg.lr_milestones, cfg.steps, cfg.lr) == ("mlp", "qsgd:levels=4", (3, 7), 9, 0.2)
+    assert cfg.overwrite is False
+    out = runner.invoke(main, ["train", "--config", str(tmp_path / "old" / "config.json"), "--codec", "sign"])
+    assert out.exit_code == 0 and seen[-1].codec == "sign" and seen[-1].lr == 0.05
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = runner.invoke(main, ["train", "--config", str(tmp_path / "bad.json")])
+    assert bad.exit_code == 2 and "not a psgrad config.json" in bad.output
+
+
+def _losses(log) -> list[float]:
+    rows = (log / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("loss")
+    return [float(row.split(",")[column]) for row in rows[1:]]
+
+
+@pytest.mark.parametrize("topology,ranks", [("ps", 3), ("colocated", 2), ("alltoall", 2)])
+def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ranks):
+    """--accumulate 4 (micro-batches of 8) follows --accumulate 1 (MLP: no BatchNorm, so the same
+    gradient up to rounding); --clip-grad-norm and --amp bf16/fp16 run and stay finite."""
+    base = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "6", "--batch-size", "32"]
+    base += ["--no-progress", "--topology", topology, "--eval-every", "0"]
+    runs = {
+        "plain": [],
+        "accumulate": ["--accumulate", "4"],
+        "features": ["--clip-grad-norm", "0.5", "--amp", "bf16", "--accumulate", "2"],
+        "fp16": ["--amp", "fp16", "--on-nonfinite", "skip", "--codec", "sign", "--feedback", "ef"],
+    }
+    losses = {}
+    for name, extra in runs.items():
+        log = tmp_path / name
+        out = run_mpi([*base, *extra, "--log-dir", str(log)], n=ranks, timeout=180)
+        assert out.returncode == 0, f"{name}: {out.stderr[-3000:]}"
+        losses[name] = _losses(log)
+        assert all(np.isfinite(losses[name])) and len(losses[name]) == 6, (name, losses[name])
+    assert np.allclose(losses["accumulate"], losses["plain"], rtol=1e-4), losses

@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 import torch
 
+from ..backprop import Backprop
 from ..codecs import Message, make_codec
 from ..comm import wire
 from ..comm.protocol import (
@@ -35,7 +36,6 @@ from ..comm.protocol import (
     control_message,
     copy_flat_into,
     encode_gradient,
-    layer_grad,
     layer_tag,
     load_buffers_vector,
     tensor_message,
@@ -58,6 +58,7 @@ class Worker:
         self.metrics_rank = ctx.layout.server_ranks[0]
         self.servers = ctx.layout.server_ranks
         self.params = dict(self.model.named_parameters())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device)
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
@@ -79,7 +80,7 @@ class Worker:
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
-        if self.cfg.granularity == "layer" and self.cfg.push == "backward":
+        if self.cfg.granularity == "layer" and self.cfg.push == "backward" and self.backprop.hooks_may_send:
             for name, param in self.params.items():
                 if param.requires_grad:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
@@ -124,6 +125,8 @@ class Worker:
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
             self.serve()
+            if self.pull_step != self.step:  # later micro-batches: the pulls posted are the next step's
+                return
             for index in indices:
                 self.finish_pull(index)
 
@@ -183,9 +186,11 @@ class Worker:
     # ------------------------------------------------------------------ push
     def _grad_ready(self, name: str):
         def hook(param: torch.Tensor) -> None:
+            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
+                return
             layer = self.layer_of[name]
             if self.gate.arrived(layer):
-                self.push(layer, layer_grad(self.params, layer))
+                self.push(layer, self.backprop.gradient(self.params, layer))
 
         return hook
 
@@ -216,7 +221,7 @@ class Worker:
         sent now, in forward order: the server can return the first layers first."""
         for layer in self.layers:
             if layer.index not in self.sent:
-                self.push(layer, layer_grad(self.params, layer))
+                self.push(layer, self.backprop.gradient(self.params, layer))
 
     # ------------------------------------------------------------------ step
     def run_step(self, step: int) -> StepStats:
@@ -234,14 +239,19 @@ class Worker:
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
         self.model.train()
-        self.model.zero_grad(set_to_none=True)
-        loss = self.ctx.loss_fn(self.model(images.to(self.device)), labels.to(self.device))
-        self.finish_pulls()
-        t_fwd = time.perf_counter()
-        self.post_pulls(step + 1)
-        self.doing = f"step {step}: backward"
-        loss.backward()
+        t_fwd = start
+
+        def after_first_forward() -> None:
+            nonlocal t_fwd
+            self.finish_pulls()
+            t_fwd = time.perf_counter()
+            self.post_pulls(step + 1)
+            self.doing = f"step {step}: backward"
+
+        loss = self.backprop.run(images, labels, after_first_forward)
+        self.backprop.finish(self.params)
         self.push_missing()
+        self.backprop.end_step(self.stats.nonfinite > 0)
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: waiting for sends"
         if self.cfg.push == "after":
@@ -252,7 +262,7 @@ class Worker:
             self.sends = []
         end = time.perf_counter()
         s = self.stats
-        s.loss = float(loss.detach())
+        s.loss = loss
         s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
         s.backward = (t_bwd - t_fwd) - s.encode
         s.push_wait = end - t_bwd
@@ -289,12 +299,15 @@ class Worker:
             "feedback": self.feedback.state_dict(),
             "buffers": buffers_vector(self.model),
             "rng": torch.get_rng_state(),
+            "loss_scale": self.backprop.scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
         load_buffers_vector(self.model, state["buffers"])
         torch.set_rng_state(state["rng"])
+        if "loss_scale" in state:  # checkpoints written before --amp have none
+            self.backprop.scale.load_state_dict(state["loss_scale"])
 
     def stop(self) -> None:
         """Tell every server this worker is done, after the last step's parameters arrived."""

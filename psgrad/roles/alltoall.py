@@ -19,6 +19,7 @@ from dataclasses import astuple, dataclass, fields
 import numpy as np
 import torch
 
+from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
 from ..comm.protocol import (
@@ -29,7 +30,6 @@ from ..comm.protocol import (
     buffers_vector,
     copy_flat_into,
     encode_gradient,
-    layer_grad,
     load_buffers_vector,
     skip_update,
     upload_bound,
@@ -63,6 +63,7 @@ class PeerRole(Role):
         self.bytes_comm = ctx.transport.dup()
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = LayerOptimizer.from_config(self.cfg)
@@ -72,16 +73,18 @@ class PeerRole(Role):
         self.bounds = [upload_bound(self.feedback, layer) for layer in self.layers]
         self.first = self.last = time.perf_counter()
         self._hooks = []
-        if self.cfg.granularity == "layer":
+        if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
             for name, param in self.params_by_name.items():
                 if param.requires_grad:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
 
     def _grad_ready(self, name: str):
         def hook(param: torch.Tensor) -> None:
+            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
+                return
             layer = self.layer_of[name]
             if self.gate.arrived(layer):
-                self._encode(layer, layer_grad(self.params_by_name, layer))
+                self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
                 self._pump()
 
         return hook
@@ -156,14 +159,19 @@ class PeerRole(Role):
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
         self.model.train()
-        self.model.zero_grad(set_to_none=True)
-        loss = self.ctx.loss_fn(self.model(images), labels)
-        t_fwd = time.perf_counter()
-        self.doing = f"step {step}: backward"
-        loss.backward()
+        t_fwd = start
+
+        def after_first_forward() -> None:
+            nonlocal t_fwd
+            t_fwd = time.perf_counter()
+            self.doing = f"step {step}: backward"
+
+        loss = self.backprop.run(images, labels, after_first_forward)
+        self.backprop.finish(self.params_by_name)
         for layer in self.layers:
             if layer.index not in self.ready:
-                self._encode(layer, layer_grad(self.params_by_name, layer))
+                self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
+        self.backprop.end_step(self.stats.nonfinite > 0)
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: exchanging gradients"
         while self.next < len(self.order) or self.inflight:
@@ -180,7 +188,7 @@ class PeerRole(Role):
                 copy_flat_into(self.params_by_name, layer.params, values)
         end = time.perf_counter()
         s = self.stats
-        s.loss = float(loss.detach())
+        s.loss = loss
         s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode
         s.push_wait, s.apply, s.step_time = t_wait - t_bwd - s.decode, end - t_wait, end - start
         return s
@@ -231,6 +239,7 @@ class PeerRole(Role):
             "params": {n: p.detach().clone() for n, p in self.params_by_name.items()},
             "buffers": buffers_vector(self.model),
             "rng": torch.get_rng_state(),
+            "loss_scale": self.backprop.scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -241,3 +250,5 @@ class PeerRole(Role):
                 self.params_by_name[name].copy_(value)
         load_buffers_vector(self.model, state["buffers"])
         torch.set_rng_state(state["rng"])
+        if "loss_scale" in state:  # checkpoints written before --amp have none
+            self.backprop.scale.load_state_dict(state["loss_scale"])

@@ -1,0 +1,114 @@
+"""A worker's forward and backward of one step, with the features every role shares: micro-batches
+(``--accumulate``), mixed precision (``--amp``, with a dynamic loss scale for fp16) and gradient
+clipping (``--clip-grad-norm``).
+
+The gradients in ``param.grad`` stay multiplied by the loss scale; :meth:`Backprop.gradient` is
+the one way out, and divides it away, so hooks that send during backward and the sends after it
+see the same unscaled gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .comm.protocol import Layer, layer_grad
+from .config import RunConfig
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScale:
+    """The dynamic loss scale of ``torch.amp.GradScaler``, for ``--amp fp16`` (1.0 otherwise).
+
+    1. Start at 2^16: small fp16 gradients would otherwise underflow to zero.
+    2. A step in which a gradient overflowed (inf or NaN; ``--on-nonfinite skip`` drops those
+       layers' update) halves the scale.
+    3. After 2000 steps in a row without overflow the scale doubles.
+    """
+
+    def __init__(self, enabled: bool, initial: float = 2.0**16, interval: int = 2000) -> None:
+        self.enabled, self.value, self.interval, self.good = enabled, initial if enabled else 1.0, interval, 0
+
+    def update(self, overflowed: bool) -> None:
+        if not self.enabled:
+            return
+        if overflowed:
+            self.value, self.good = max(1.0, self.value / 2), 0
+            return
+        self.good += 1
+        if self.good >= self.interval:
+            self.value, self.good = self.value * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "good": self.good}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.good = float(state["value"]), int(state["good"])
+
+
+class Backprop:
+    """Forward and backward of one batch on one worker; see the module docstring."""
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss_fn: Callable, device: torch.device) -> None:
+        self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
+        self.scale = LossScale(cfg.amp == "fp16")
+        self.pushing = True
+
+    @property
+    def hooks_may_send(self) -> bool:
+        """Whether gradient hooks may send layers during backward: not when clipping, which needs
+        the norm of the whole gradient first."""
+        return self.cfg.clip_grad_norm == 0
+
+    def run(self, images: torch.Tensor, labels: torch.Tensor, after_first_forward: Callable[[], None]) -> float:
+        """Zero the gradients, then for each of ``--accumulate`` micro-batches: forward (under
+        autocast with ``--amp``), loss x its share of the batch x the loss scale, backward. Hooks
+        may send only during the last backward (``pushing``). Returns the batch's mean loss.
+
+        ``after_first_forward`` runs once, between the first forward and its backward (workers
+        finish their pulls and post the next ones there)."""
+        self.model.zero_grad(set_to_none=True)
+        micro = list(
+            zip(images.tensor_split(self.cfg.accumulate), labels.tensor_split(self.cfg.accumulate), strict=True)
+        )
+        amp = AMP_DTYPES.get(self.cfg.amp)
+        total = 0.0
+        for index, (x, y) in enumerate(micro):
+            self.pushing = index == len(micro) - 1
+            with torch.autocast(self.device.type, dtype=amp) if amp else contextlib.nullcontext():
+                loss = self.loss_fn(self.model(x.to(self.device)), y.to(self.device))
+            if index == 0:
+                after_first_forward()
+            share = len(x) / len(images)
+            (loss.float() * (share * self.scale.value)).backward()
+            total += float(loss.detach()) * share
+        self.pushing = True
+        return total
+
+    def finish(self, params: dict[str, torch.Tensor]) -> None:
+        """After the last backward: with ``--clip-grad-norm``, scale every gradient so that the
+        whole (unscaled) gradient's L2 norm is at most the bound."""
+        if not self.cfg.clip_grad_norm:
+            return
+        grads = [p.grad for p in params.values() if p.grad is not None]
+        if not grads:
+            return
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        norm /= self.scale.value
+        if norm > self.cfg.clip_grad_norm:  # a non-finite norm is left for --on-nonfinite to see
+            factor = self.cfg.clip_grad_norm / (norm + 1e-6)
+            for grad in grads:
+                grad.mul_(factor)
+
+    def gradient(self, params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
+        """``layer``'s flat gradient with the loss scale divided away (a new tensor if scaled)."""
+        grad = layer_grad(params, layer)
+        return grad / self.scale.value if self.scale.value != 1.0 else grad
+
+    def end_step(self, overflowed: bool) -> None:
+        """Tell the loss scale whether any layer of this step's gradient was non-finite."""
+        self.scale.update(overflowed)

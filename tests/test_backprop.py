@@ -1,0 +1,91 @@
+"""--accumulate, --clip-grad-norm and --amp: the step's gradient, without MPI."""
+
+import pytest
+import torch
+from torch import nn
+
+from psgrad.backprop import Backprop, LossScale
+from psgrad.comm.protocol import Layer
+from psgrad.config import RunConfig
+
+
+def _setup(seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+    images, labels = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    cfg = RunConfig(model="mlp", batch_size=8, **options)
+    return Backprop(cfg, model, nn.functional.cross_entropy, torch.device("cpu")), model, images, labels
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_accumulated_micro_batches_give_the_batch_gradient():
+    one, model1, images, labels = _setup()
+    loss1 = one.run(images, labels, lambda: None)
+    four, model4, _, _ = _setup(accumulate=4)
+    calls = []
+    loss4 = four.run(images, labels, lambda: calls.append(1))
+    torch.testing.assert_close(_grads(model4), _grads(model1))
+    assert loss4 == pytest.approx(loss1, rel=1e-6) and calls == [1]
+
+
+def test_hooks_may_send_only_in_the_last_micro_batch():
+    backprop, model, images, labels = _setup(accumulate=3)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(backprop.pushing))
+    backprop.run(images, labels, lambda: None)
+    assert seen == [False, False, True] and backprop.pushing
+
+
+def test_clipping_bounds_the_whole_gradient_and_keeps_its_direction():
+    backprop, model, images, labels = _setup(clip_grad_norm=0.05)
+    backprop.run(images, labels, lambda: None)
+    before = _grads(model).clone()
+    params = dict(model.named_parameters())
+    backprop.finish(params)
+    after = _grads(model)
+    assert float(after.norm()) == pytest.approx(0.05, rel=1e-4) and before.norm() > 0.05
+    torch.testing.assert_close(after / after.norm(), before / before.norm())
+    assert not backprop.hooks_may_send
+
+
+def test_fp16_loss_scale_is_divided_away_and_adapts():
+    plain, model32, images, labels = _setup()
+    plain.run(images, labels, lambda: None)
+    scaled, model16, _, _ = _setup(amp="fp16", on_nonfinite="skip")
+    scaled.run(images, labels, lambda: None)
+    params = dict(model16.named_parameters())
+    layer = Layer(0, "0.weight", (16, 12), ("0.weight",), 0)
+    assert scaled.scale.value == 2.0**16
+    torch.testing.assert_close(scaled.gradient(params, layer), model32[0].weight.grad.reshape(-1), rtol=2e-2, atol=2e-3)
+    scale = LossScale(True, interval=3)
+    scale.update(True)
+    assert scale.value == 2.0**15
+    for _ in range(3):
+        scale.update(False)
+    assert scale.value == 2.0**16 and LossScale(False).value == 1.0
+
+
+def test_bf16_autocast_trains_close_to_fp32():
+    plain, model32, images, labels = _setup()
+    loss32 = plain.run(images, labels, lambda: None)
+    half, model16, _, _ = _setup(amp="bf16")
+    loss16 = half.run(images, labels, lambda: None)
+    assert loss16 == pytest.approx(loss32, rel=3e-2)
+    assert torch.nn.functional.cosine_similarity(_grads(model16), _grads(model32), dim=0) > 0.99
+
+
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        ({"amp": "fp16"}, "add --on-nonfinite skip"),
+        ({"accumulate": 16, "batch_size": 8}, "--batch-size 8 is smaller"),
+        ({"amp": "fp8"}, "--amp must be off, bf16 or fp16"),
+        ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be >= 0"),
+    ],
+)
+def test_bad_training_feature_options(options, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("-", "\\-")):
+        RunConfig(**options).validate()

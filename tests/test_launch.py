@@ -1,0 +1,121 @@
+"""launch/mpirun.sh: MPI detection, hostfile translation, ranks per node and server placement."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import mpiexec
+
+SCRIPT = Path(__file__).parent.parent / "launch" / "mpirun.sh"
+FOUR_GPU_NODES = "# four nodes, four GPUs each, in both syntaxes\ngpu0 slots=4\ngpu1 slots=4\ngpu2:4\ngpu3\n"
+
+
+def _launch(*args: str, launcher: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MPIEXEC": launcher or mpiexec()}
+    try:
+        return subprocess.run(
+            ["bash", str(SCRIPT), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"launch/mpirun.sh {' '.join(args)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+
+
+def _fake_mpiexec(tmp_path: Path, banner: str) -> str:
+    """A launcher that only answers --version like the MPI named (Open MPI is not installed here)."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_dry_run_four_nodes_of_four_gpus_with_mpich(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(FOUR_GPU_NODES)
+    out = _launch("--dry-run", "--ranks-per-node", "4", str(hosts), "16", "psgrad", "train", "--device", "cuda")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# hydra hostfile")
+    assert lines[1:5] == ["#   gpu0:4", "#   gpu1:4", "#   gpu2:4", "#   gpu3:4"]
+    assert " -n 16 " in lines[5] and " -ppn 4 " in lines[5] and lines[5].rstrip().endswith("train --device cuda")
+
+
+@pytest.mark.parametrize("banner", ["mpiexec (OpenRTE) 4.1.5", "mpiexec (Open MPI) 5.0.3"])
+def test_dry_run_translates_to_open_mpi(tmp_path, banner):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(FOUR_GPU_NODES)
+    fake = _fake_mpiexec(tmp_path, banner)
+    out = _launch("--dry-run", "--ranks-per-node", "4", str(hosts), "16", "psgrad", "train", launcher=fake)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# openmpi hostfile")
+    assert lines[1:5] == ["#   gpu0 slots=4", "#   gpu1 slots=4", "#   gpu2 slots=4", "#   gpu3 slots=4"]
+    assert "--map-by ppr:4:node" in lines[5] and "--hostfile" in lines[5] and "-x OMP_NUM_THREADS=1" in lines[5]
+    own = _launch("--dry-run", "--ranks-per-node", "4", "--server-node", "own", str(hosts), "13", "x", launcher=fake)
+    assert own.stdout.splitlines()[1] == "#   gpu0 slots=1" and "--map-by slot" in own.stdout
+
+
+def test_server_on_its_own_node_with_mpich(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(FOUR_GPU_NODES)
+    out = _launch("--dry-run", "--ranks-per-node", "4", "--server-node", "own", str(hosts), "13", "psgrad", "train")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1:3] == ["#   gpu0:1", "#   gpu1:4"] and "-ppn" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--ranks-per-node", "4", "HOSTS", "17", "x"], "17 ranks do not fit"),
+        (["--ranks-per-node", "0", "HOSTS", "4", "x"], "--ranks-per-node must be a positive integer"),
+        (["--server-node", "gpu", "HOSTS", "4", "x"], "--server-node must be shared or own"),
+        (["/nonexistent/hosts", "4", "x"], "cannot read hostfile"),
+        (["--bogus", "HOSTS", "4", "x"], "unknown option --bogus"),
+    ],
+)
+def test_bad_launches_say_why(tmp_path, args, fragment):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(FOUR_GPU_NODES)
+    out = _launch("--dry-run", *[str(hosts) if a == "HOSTS" else a for a in args])
+    assert out.returncode == 2 and fragment in out.stderr, out.stderr
+
+
+def test_unknown_mpi_is_refused(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node0\n")
+    out = _launch("--dry-run", str(hosts), "1", "x", launcher=_fake_mpiexec(tmp_path, "some other launcher 1.0"))
+    assert out.returncode == 2 and "cannot tell which MPI" in out.stderr
+
+
+@pytest.mark.parametrize("syntax", ["localhost slots=3\n", "localhost:3\n"])
+def test_launch_on_localhost_with_either_hostfile_syntax(tmp_path, syntax):
+    """A real job through pip MPICH: three ranks see a world of three."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(syntax)
+    probe = "from mpi4py import MPI; c = MPI.COMM_WORLD; print(f'rank {c.rank} of {c.size}')"
+    out = _launch("--ranks-per-node", "3", str(hosts), "3", sys.executable, "-c", probe)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split("\n")[:3]) == ["rank 0 of 3", "rank 1 of 3", "rank 2 of 3"]
+
+
+def test_training_job_through_the_launch_script(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=3\n")
+    train = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "3", "--no-progress"]
+    out = _launch("--ranks-per-node", "3", str(hosts), "3", *train, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "test accuracy" in out.stdout or "accuracy" in out.stdout, out.stdout
+
+
+def test_launch_scripts_parse():
+    for script in sorted(SCRIPT.parent.glob("*.sh")) + [SCRIPT.parent / "slurm.sbatch"]:
+        check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, f"{script.name}: {check.stderr}"
+    sbatch = (SCRIPT.parent / "slurm.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=1" in sbatch and "--device cuda" in sbatch and "--checkpoint-every" in sbatch
