@@ -1,6 +1,7 @@
 """launch/mpirun.sh: MPI detection, hostfile translation, ranks per node and server placement."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_launch_on_localhost_with_either_hostfile_syntax(tmp_path, syntax):
     probe = "from mpi4py import MPI; c = MPI.COMM_WORLD; print(f'rank {c.rank} of {c.size}')"
     out = _launch("--ranks-per-node", "3", str(hosts), "3", sys.executable, "-c", probe)
     assert out.returncode == 0, out.stderr
-    assert sorted(out.stdout.split("\n")[:3]) == ["rank 0 of 3", "rank 1 of 3", "rank 2 of 3"]
+    # mpiexec forwards the ranks' output in pieces, not whole lines: match the reports, not lines
+    assert sorted(re.findall(r"rank (\d) of (\d)", out.stdout)) == [("0", "3"), ("1", "3"), ("2", "3")], out.stdout
 
 
 def test_training_job_through_the_launch_script(tmp_path):
@@ -110,7 +112,7 @@ def test_training_job_through_the_launch_script(tmp_path):
     train = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "3", "--no-progress"]
     out = _launch("--ranks-per-node", "3", str(hosts), "3", *train, timeout=240)
     assert out.returncode == 0, out.stderr
-    assert "test accuracy" in out.stdout or "accuracy" in out.stdout, out.stdout
+    assert "test accuracy" in out.stderr, out.stderr[-2000:]
 
 
 def test_launch_scripts_parse():
