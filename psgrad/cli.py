@@ -10,7 +10,7 @@ import torch
 from .bench import codecbench
 from .codecs import available_codecs, make_codec
 from .models import MODELS, build_model
-from .options import config_from, config_option, run_options, with_config
+from .options import SectionedCommand, config_from, config_option, run_options, with_config
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -170,7 +170,7 @@ def _abort_job(message: str) -> None:
     Transport().abort(2)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @run_options
 @config_option
 def train(**options) -> None:
@@ -178,7 +178,7 @@ def train(**options) -> None:
     _train(None, options)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @run_options
 @config_option
 def server(**options) -> None:
@@ -186,7 +186,7 @@ def server(**options) -> None:
     _train("server", options)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @run_options
 @config_option
 def worker(**options) -> None:
@@ -231,7 +231,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @run_options
 @click.option(
     "--codecs",
@@ -295,6 +295,9 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a bar chart of it/s here (PNG)."
 )
 @click.option(
+    "--wide", is_flag=True, help="Also print overlap, server CPU, the ideal rate and the time breakdown per step."
+)
+@click.option(
     "--target-accuracy",
     type=click.FloatRange(0, 1, min_open=True),
     default=None,
@@ -315,6 +318,7 @@ def bench(
     powersgd_rank: int,
     json_path: str | None,
     plot_path: str | None,
+    wide: bool,
     target_accuracy: float | None,
     **options,
 ) -> None:
@@ -360,7 +364,7 @@ def bench(
         size = Transport().size
         rows = bench_module.summarize(results, cfg.servers, size - cfg.servers)
         bench_module.report(
-            rows, header + f"{size} ranks in one job, loopback", json_path, plot_path, target=target_accuracy
+            rows, header + f"{size} ranks in one job, loopback", json_path, plot_path, target=target_accuracy, wide=wide
         )
         return
     try:
@@ -391,4 +395,5 @@ def bench(
         json_path,
         plot_path,
         target=target_accuracy,
+        wide=wide,
     )

@@ -20,6 +20,7 @@ def markdown() -> str:
     2. One table row per parameter: flags, default, help (arguments are marked positional).
     """
     from .cli import main
+    from .options import SECTIONS, SectionedCommand, section_of
 
     lines = [
         "# Command-line reference",
@@ -38,13 +39,26 @@ def markdown() -> str:
             "| option | default | meaning |",
             "|---|---|---|",
         ]
-        for param in cmd.params:
-            if isinstance(param, click.Option):
-                flags = " / ".join(param.opts + param.secondary_opts)
-                text = (param.help or "").replace("|", "\\|")
-            else:
-                flags, text = param.name.upper(), "positional"
-            lines.append(f"| `{flags}` | {_default(param)} | {text} |")
+        sectioned = isinstance(cmd, SectionedCommand)
+        if sectioned:
+            lines[-2:] = []
+        for title in [*SECTIONS, "Options"] if sectioned else [None]:
+            params = [p for p in cmd.params if title is None or section_of(p) == title]
+            if not params:
+                continue
+            if title is not None:
+                lines += [f"### {title}", "", "| option | default | meaning |", "|---|---|---|"]
+            for param in params:
+                if isinstance(param, click.Option):
+                    flags = " / ".join(param.opts + param.secondary_opts)
+                    text = (param.help or "").replace("|", "\\|")
+                else:
+                    flags, text = param.name.upper(), "positional"
+                lines.append(f"| `{flags}` | {_default(param)} | {text} |")
+            if title is not None:
+                lines.append("")
+        if sectioned:
+            lines.pop()
     return "\n".join(lines) + "\n"
 
 

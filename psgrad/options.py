@@ -26,9 +26,9 @@ def _milestones(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 # (flag, RunConfig field, click type, help). One table serves train, server and worker.
 RUN_OPTIONS = [
     ("--model", "model", click.Choice(sorted(MODELS)), "Model architecture."),
-    ("--depth", "depth", click.IntRange(min=10), "WideResNet depth (6n+4: 10, 16, 22, 28, 40)."),
-    ("--widen-factor", "widen_factor", click.IntRange(min=1), "WideResNet width multiplier k."),
-    ("--dropout", "dropout", click.FloatRange(0, 1, max_open=True), "WideResNet dropout between convolutions."),
+    ("--depth", "depth", click.IntRange(min=10), "Only --model wrn: WideResNet depth (6n+4: 10, 16, 22, 28, 40)."),
+    ("--widen-factor", "widen_factor", click.IntRange(min=1), "Only --model wrn: WideResNet width multiplier k."),
+    ("--dropout", "dropout", click.FloatRange(0, 1, max_open=True), "Only --model wrn: dropout between convolutions."),
     (
         "--dataset",
         "dataset",
@@ -42,7 +42,12 @@ RUN_OPTIONS = [
         click.Path(file_okay=False),
         "Directory with the CIFAR python archives (extracted or .tar.gz).",
     ),
-    ("--synthetic-classes", "synthetic_classes", click.Choice(["10", "100"]), "Classes of the synthetic dataset."),
+    (
+        "--synthetic-classes",
+        "synthetic_classes",
+        click.Choice(["10", "100"]),
+        "Only --dataset synthetic: its number of classes.",
+    ),
     (
         "--synthetic-size",
         "synthetic_size",
@@ -238,6 +243,50 @@ RUN_OPTIONS = [
         "Continue from a log dir (its newest complete checkpoint) or from one LOG_DIR/ckpt-stepN.",
     ),
 ]
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Model and data": (
+        "model", "depth", "widen_factor", "dropout", "dataset", "data_dir",
+        "synthetic_classes", "synthetic_size", "partition", "augment",
+    ),
+    "Codec": (
+        "codec", "down_codec", "feedback", "dgc_momentum", "dgc_clip_norm", "dgc_warmup_epochs",
+        "granularity", "push", "bucket_vectors", "on_nonfinite",
+    ),
+    "Topology": ("topology", "servers", "mode", "staleness", "serve_thread"),
+    "Optimizer and training": (
+        "optimizer", "lr", "momentum", "nesterov", "weight_decay", "schedule", "lr_milestones", "lr_decay",
+        "warmup_epochs", "scale_lr", "batch_size", "steps", "epochs", "accumulate", "clip_grad_norm", "amp",
+    ),
+    "Logging, evaluation and checkpoints": (
+        "log_dir", "eval_every", "eval_steps", "eval_background", "tensorboard", "progress",
+        "checkpoint_every", "overwrite", "resume", "config_path",
+    ),
+    "Launch and system": ("device", "threads", "seed", "timeout"),
+}  # fmt: skip
+"""The --help sections of the training options, by parameter name; other options go under
+'Options' (a command's own, such as bench's)."""
+SECTION_OF = {name: title for title, names in SECTIONS.items() for name in names}
+
+
+def section_of(param: click.Parameter) -> str:
+    return SECTION_OF.get(param.name or "", "Options")
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options in SECTIONS, in that order, then the rest."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        grouped: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                grouped.setdefault(section_of(param), []).append(record)
+        for title in [*SECTIONS, "Options"]:
+            if grouped.get(title):
+                with formatter.section(title):
+                    formatter.write_dl(grouped[title])
 
 
 def run_options(fn):

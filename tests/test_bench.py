@@ -241,3 +241,18 @@ def test_codec_report_per_size_and_per_model():
     assert row["size"] == 275_572 and row["tensors"] == 59
     bad = runner.invoke(main, ["codecs", "--sizes", "4X"])
     assert bad.exit_code == 2 and "expected a size like" in bad.output
+
+
+def test_bench_table_is_narrow_by_default_with_a_legend():
+    from psgrad.bench.launcher import BREAKDOWN, BenchRow, table
+
+    rows = [
+        BenchRow("none", 2.0, 0.1, 1.0, 4e6, 2e6, 0.5, 0.9, 2, 0.5, times={k: 0.01 for k in BREAKDOWN}),
+        BenchRow("sign --feedback ef", 3.0, 0.1, 1.5, 1e5, 5e4, 0.9, 0.95, 2, 0.6, times={k: 0.01 for k in BREAKDOWN}),
+    ]
+    narrow, wide = table(rows), table(rows, wide=True)
+    head = narrow.splitlines()[0].split()
+    assert head[:4] == ["codec", "it/s", "±", "speedup"] and "forward" not in head and "hidden" not in head
+    assert "  speedup: it/s over the `none` row's" in narrow and "--wide adds" in narrow
+    assert "forward" in wide.splitlines()[0] and "hidden" in wide.splitlines()[0] and "--wide adds" not in wide
+    assert max(len(line) for line in narrow.splitlines()[:4]) < 110

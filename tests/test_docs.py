@@ -19,6 +19,20 @@ def test_every_cli_option_has_help_and_a_line_in_docs():
                 )
 
 
+def test_training_help_is_grouped_into_sections():
+    """Every training option belongs to a section, and --help lists the sections in order."""
+    from click.testing import CliRunner
+
+    from psgrad.options import RUN_OPTIONS, SECTION_OF, SECTIONS
+
+    assert {field for _, field, _, _ in RUN_OPTIONS} | {"config_path"} == set(SECTION_OF)
+    help_text = CliRunner().invoke(main, ["train", "--help"]).output
+    positions = [help_text.index(f"\n{title}:\n") for title in SECTIONS]
+    assert positions == sorted(positions)
+    assert help_text.index("--accumulate") > help_text.index("Optimizer and training:")
+    assert "Only --model wrn" in help_text
+
+
 def test_cli_reference_is_current():
     from psgrad.clidoc import markdown
 

@@ -456,24 +456,49 @@ def _num(value: float, width: int, digits: int) -> str:
     return f"{'-':>{width}s}" if value != value or math.isinf(value) else f"{value:{width}.{digits}f}"
 
 
-def table(rows: list[BenchRow]) -> str:
+LEGEND = {
+    "it/s": "training steps per second (median over rounds); ± = half the spread between rounds",
+    "speedup": "it/s over the `none` row's, paired per round (median of the per-round ratios)",
+    "of ideal": "it/s over the ideal rate: the compute-only rate, or the busiest link's bytes at --bandwidth if slower",
+    "MB/step": "bytes sent per step by all ranks",
+    "ratio": "dense gradient bytes over the bytes sent",
+    "loss": "training loss at the last step",
+    "hidden": "share of communication hidden behind compute (wide table)",
+    "srv cpu": "server CPU seconds per second (wide table)",
+    "ideal": "the ideal rate, it/s (wide table)",
+}
+
+
+def table(rows: list[BenchRow], wide: bool = False) -> str:
+    """The it/s table: by default the columns that rank configurations (it/s, speed-up, share of
+    the ideal rate, bytes, loss); ``wide`` adds overlap, server CPU, the ideal rate and the per-step
+    time breakdown. A legend of the derived columns follows."""
     width = max([30, *(len(r.codec) for r in rows)])
     head = (
-        f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'MB/step':>8s} {'ratio':>7s} {'hidden':>6s} "
-        f"{'srv cpu':>7s} {'loss':>8s} {'ideal':>6s} {'of ideal':>8s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
+        f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'of ideal':>8s} {'MB/step':>8s} {'ratio':>7s} "
+        f"{'loss':>8s}"
     )
+    if wide:
+        head += f" {'hidden':>6s} {'srv cpu':>7s} {'ideal':>6s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(
+        line = (
             f"{r.codec:{width}s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
-            f"{r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.hidden_comm_share, 6, 2)} "
-            f"{_num(r.server_cpu, 7, 2)} {_num(r.loss, 8, 3)} {_num(r.ideal_it_per_s, 6, 2)} {_num(r.of_ideal, 8, 2)} "
-            + " ".join(f"{r.times.get(k, 0.0) * 1e3:8.1f}" for k in BREAKDOWN)
+            f"{_num(r.of_ideal, 8, 2)} {r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.loss, 8, 3)}"
         )
-    lines.append(
-        "times in ms per step (mean over workers); MB/step = bytes sent per step by all ranks; "
-        "srv cpu = server CPU seconds per second; loss = training loss at the last step; '-' = not applicable"
-    )
+        if wide:
+            line += (
+                f" {_num(r.hidden_comm_share, 6, 2)} {_num(r.server_cpu, 7, 2)} {_num(r.ideal_it_per_s, 6, 2)} "
+                + " ".join(f"{r.times.get(k, 0.0) * 1e3:8.1f}" for k in BREAKDOWN)
+            )
+        lines.append(line)
+    shown = [k for k in LEGEND if k in head]
+    lines += [f"  {k}: {LEGEND[k]}" for k in shown]
+    lines.append("  '-': not applicable to the row (a baseline has no codec bytes, no `none` row to pair with, ...)")
+    if wide:
+        lines.append(f"  {' '.join(BREAKDOWN)}: ms per step, mean over workers")
+    else:
+        lines.append("  --wide adds overlap, server CPU, the ideal rate and the time breakdown per step")
     return "\n".join(lines)
 
 
@@ -507,11 +532,12 @@ def report(
     plot_path: str | None,
     out=sys.stdout,
     target: float | None = None,
+    wide: bool = False,
 ) -> None:
     print(header, file=sys.stderr)
     if target:
         print(target_table(rows, target) + "\n", file=out)
-    print(table(rows), file=out)
+    print(table(rows, wide), file=out)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(as_json(rows), f, indent=1)
