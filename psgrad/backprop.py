@@ -21,6 +21,41 @@ from .config import RunConfig
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or tuples, lists and dicts of them: inputs need not be one tensor)
+    with every tensor on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def split_batch(batch, parts: int) -> list:
+    """``batch`` cut along its first dimension into ``parts`` micro-batches, structure kept."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.tensor_split(parts))
+    if isinstance(batch, dict):
+        pieces = {key: split_batch(value, parts) for key, value in batch.items()}
+        return [{key: pieces[key][i] for key in batch} for i in range(parts)]
+    if isinstance(batch, (tuple, list)):
+        pieces = [split_batch(value, parts) for value in batch]
+        return [type(batch)(piece[i] for piece in pieces) for i in range(parts)]
+    if parts == 1:
+        return [batch]
+    raise TypeError(f"--accumulate cannot split a batch of {type(batch).__name__}: use tensors, tuples or dicts")
+
+
+def batch_length(batch) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    values = batch.values() if isinstance(batch, dict) else batch
+    return batch_length(next(iter(values)))
+
+
 class LossScale:
     """The dynamic loss scale of ``torch.amp.GradScaler``, for ``--amp fp16`` (1.0 otherwise).
 
@@ -72,18 +107,17 @@ class Backprop:
         ``after_first_forward`` runs once, between the first forward and its backward (workers
         finish their pulls and post the next ones there)."""
         self.model.zero_grad(set_to_none=True)
-        micro = list(
-            zip(images.tensor_split(self.cfg.accumulate), labels.tensor_split(self.cfg.accumulate), strict=True)
-        )
+        k = self.cfg.accumulate
+        micro = list(zip(split_batch(images, k), split_batch(labels, k), strict=True))
         amp = AMP_DTYPES.get(self.cfg.amp)
         total = 0.0
         for index, (x, y) in enumerate(micro):
             self.pushing = index == len(micro) - 1
             with torch.autocast(self.device.type, dtype=amp) if amp else contextlib.nullcontext():
-                loss = self.loss_fn(self.model(x.to(self.device)), y.to(self.device))
+                loss = self.loss_fn(self.model(to_device(x, self.device)), to_device(y, self.device))
             if index == 0:
                 after_first_forward()
-            share = len(x) / len(images)
+            share = batch_length(y) / batch_length(labels)
             (loss.float() * (share * self.scale.value)).backward()
             total += float(loss.detach()) * share
         self.pushing = True

@@ -31,6 +31,7 @@ from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
 from .metrics import MetricsLog
 from .models import build_model
+from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,6 +93,7 @@ class RunContext:
     resume: dict | None = None
     log: MetricsLog | None = None
     eval_data: Iterable | None = None
+    optimizer_fn: OptimizerFn | None = None
     doing: str = "setting up"
     buffers_size: int = 0
     _test_set: object = field(default=None, repr=False)
@@ -113,6 +115,7 @@ class RunContext:
         loader_fn: Callable[[int, int], object] | None = None,
         eval_data: Iterable | None = None,
         loss_fn: LossFn | None = None,
+        optimizer_fn: OptimizerFn | None = None,
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it)."""
         torch.set_num_threads(cfg.threads)
@@ -162,6 +165,7 @@ class RunContext:
             _device(cfg, transport) if layout.is_worker(rank) else torch.device("cpu"),
             loader,
             eval_data=eval_data,
+            optimizer_fn=optimizer_fn,
             buffers_size=buffers_vector(model).numel(),
         )
         ctx.resume = ctx._load_resume()
@@ -196,6 +200,13 @@ class RunContext:
         )
 
     # ------------------------------------------------------------------ what roles ask for
+    def make_optimizer(self) -> LayerOptimizer | TorchLayerOptimizer:
+        """The per-layer optimizer of the ranks that update: the API's ``optimizer_fn`` (any
+        torch.optim.Optimizer) if given, else --optimizer sgd|adam with the run's settings."""
+        if self.optimizer_fn is not None:
+            return TorchLayerOptimizer(self.optimizer_fn)
+        return LayerOptimizer.from_config(self.cfg)
+
     def make_feedback(self) -> NoFeedback:
         """The worker-side memory around the codec, with every DGC option the run was given."""
         cfg = self.cfg

@@ -24,6 +24,7 @@ from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
 from .context import LossFn, RunContext
+from .optim import OptimizerFn
 from .roles import ROLES
 from .startup import agree
 
@@ -48,13 +49,17 @@ def run(
     eval_data: Iterable | None = None,
     loss_fn: LossFn = F.cross_entropy,
     transport: Transport | None = None,
+    optimizer_fn: OptimizerFn | None = None,
 ) -> RunResult:
     """Train under MPI: call on every rank (``mpiexec -n 3 python my_script.py``).
 
     ``model_fn`` builds the model (identically on every rank; default from ``cfg.model``),
     ``loader_fn(worker_index, num_workers)`` gives each worker an object with ``batch(step)`` and
     ``steps_per_epoch``, or a re-iterable loader with ``len`` (default: ``cfg.dataset`` shards),
-    ``eval_data`` is an iterable of (inputs, labels) for evaluation on rank 0.
+    ``eval_data`` is an iterable of (inputs, labels) for evaluation on rank 0,
+    ``loss_fn(outputs, labels)`` the training loss, and ``optimizer_fn([layer_values])`` builds
+    any ``torch.optim.Optimizer`` the servers apply per layer (default: ``cfg.optimizer``; psgrad's
+    schedule sets its lr every step).
     """
     cfg.validate()
     if model_fn is not None and eval_data is None:
@@ -75,7 +80,7 @@ def run(
     layout = RankLayout(transport.size, cfg.servers, cfg.topology)
     watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
     try:
-        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport, where)
+        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where)
     except BaseException as err:
         print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
@@ -88,8 +93,8 @@ def run(
     return result
 
 
-def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, transport: Transport, where: dict) -> RunResult:
-    ctx = RunContext.build(cfg, transport, model_fn, loader_fn, eval_data, loss_fn)
+def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: Transport, where: dict) -> RunResult:
+    ctx = RunContext.build(cfg, transport, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn)
     role = where["role"] = ROLES[cfg.topology](ctx)
     if ctx.resume:
         role.load_state_dict(ctx.resume)

@@ -89,3 +89,29 @@ def test_bf16_autocast_trains_close_to_fp32():
 def test_bad_training_feature_options(options, fragment):
     with pytest.raises(ValueError, match=fragment.replace("-", "\\-")):
         RunConfig(**options).validate()
+
+
+def test_inputs_need_not_be_one_tensor():
+    """A model taking a dict (tabular + image parts, say) trains with micro-batches too."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(6, 5)
+
+        def forward(self, batch):
+            return self.a(batch["a"]) + self.b(batch["b"][0])
+
+    grads = []
+    for k in (1, 2):
+        torch.manual_seed(0)
+        model = TwoInputs()
+        torch.manual_seed(1)
+        inputs = {"a": torch.randn(6, 4), "b": (torch.randn(6, 6),)}
+        labels = torch.randint(0, 5, (6,))
+        backprop = Backprop(
+            RunConfig(batch_size=6, accumulate=k), model, nn.functional.cross_entropy, torch.device("cpu")
+        )
+        backprop.run(inputs, labels, lambda: None)
+        grads.append(_grads(model))
+    torch.testing.assert_close(grads[1], grads[0])

@@ -70,3 +70,19 @@ def test_no_command_has_an_option_twice():
             flag for param in cmd.params for flag in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])
         ]
         assert len(flags) == len(set(flags)), f"{name}: {sorted(f for f in flags if flags.count(f) > 1)}"
+
+
+def test_api_example_runs_as_written(tmp_path):
+    """docs/api.md's script, copied out of the page, trains under mpiexec -n 3 and learns."""
+    import re
+    import sys
+
+    from conftest import run_mpi
+
+    script = re.search(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S).group(1)
+    path = tmp_path / "my_train.py"
+    path.write_text(script)
+    out = run_mpi([sys.executable, str(path)], n=3, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+)", out.stdout).group(1))
+    assert accuracy > 0.3, out.stdout  # 10 classes: chance is 0.1

@@ -411,3 +411,31 @@ def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ran
         losses[name] = _losses(log)
         assert all(np.isfinite(losses[name])) and len(losses[name]) == 6, (name, losses[name])
     assert np.allclose(losses["accumulate"], losses["plain"], rtol=1e-4), losses
+
+
+def test_any_torch_optimizer_per_layer_matches_the_built_in_one():
+    """TorchLayerOptimizer(torch.optim.SGD / Adam) follows psgrad's fused SGD / Adam step for step,
+    also when the layer's tensor is a new one each step (alltoall), and through state_dict."""
+    from psgrad.optim import TorchLayerOptimizer
+
+    torch.manual_seed(0)
+    for kind, make in [
+        ("sgd", lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+        ("adam", lambda p: torch.optim.Adam(p, lr=1.0, weight_decay=1e-3)),
+    ]:
+        ours = LayerOptimizer(kind, momentum=0.9, nesterov=kind == "sgd", weight_decay=1e-3)
+        theirs = TorchLayerOptimizer(make)
+        a = torch.randn(50)
+        b = a.clone()
+        for step in range(6):
+            grad = torch.randn(50)
+            ours.step("fc", a, grad, 0.05)
+            if step == 3:  # a checkpoint, restored into a fresh optimizer, and a new tensor
+                state = theirs.state_dict()
+                theirs = TorchLayerOptimizer(make)
+                theirs.load_state_dict(state)
+                b = b.clone()
+            theirs.step("fc", b, grad, 0.05)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=kind)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        TorchLayerOptimizer(lambda p: object()).step("fc", torch.zeros(3), torch.zeros(3), 0.1)

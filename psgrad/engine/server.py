@@ -52,7 +52,7 @@ from ..comm.protocol import (
 from ..comm.transport import SERVER_PATIENCE, Backoff, Handle, Patience
 from ..context import RunContext
 from ..metrics import StepAggregator
-from ..optim import LayerOptimizer, learning_rate
+from ..optim import learning_rate
 
 _CONTROL_BYTES = 4096
 VALUES_LAYER = "__values__"
@@ -79,7 +79,7 @@ class ServerBase:
         self.metrics_rank = ctx.layout.server_ranks[0]
         # the other ranks that own layers (with more servers than layers, some own none)
         self.other_servers = sorted({layer.owner for layer in ctx.layers} - {self.rank})
-        self.optimizer = LayerOptimizer.from_config(self.cfg)
+        self.optimizer = ctx.make_optimizer()
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
         self.send_deltas = self.down_codec.name != "none"

@@ -36,7 +36,7 @@ from ..comm.protocol import (
 )
 from ..comm.transport import Handle
 from ..context import Role, RunContext
-from ..optim import LayerOptimizer, learning_rate
+from ..optim import learning_rate
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PeerRole(Role):
         self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
-        self.optimizer = LayerOptimizer.from_config(self.cfg)
+        self.optimizer = ctx.make_optimizer()
         self.doing = "starting"
         self.step_index = 0
         self.gate = GradientGate(self.layers)
