@@ -300,7 +300,7 @@ class RunContext:
         test_loss, test_acc = evaluate(model, batches, self.loss_fn)
         return {
             "epoch": round((step + 1) / self.steps_per_epoch, 4),
-            "step": step + 1,
+            "step": step,  # the last step trained, 0-based as in metrics.csv
             "test_loss": test_loss,
             "test_acc": test_acc,
             "dataset": self.label,

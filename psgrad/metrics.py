@@ -116,7 +116,7 @@ class MetricsLog:
             )
 
     def step(self, row: dict) -> None:
-        row["epoch"] = row["step"] / max(1, self.steps_per_epoch)
+        row["epoch"] = (row["step"] + 1) / max(1, self.steps_per_epoch)  # epochs done after the step
         self.rows.append(row)
         if "metrics" in self._writers:
             self._writers["metrics"].writerow(row)

@@ -48,7 +48,7 @@ def plot_runs(log_dirs: list[Path], out: Path) -> Path:
         label = run_label(log_dir)
         for col, (key, title, scale) in enumerate(xs):
             axes[0][col].plot([r[key] * scale for r in metrics], [r["loss"] for r in metrics], label=label)
-            points = [(by_step.get(int(e["step"]) - 1, metrics[-1])[key] * scale, e["test_acc"]) for e in evals]
+            points = [(by_step.get(int(e["step"]), metrics[-1])[key] * scale, e["test_acc"]) for e in evals]
             if points:
                 axes[1][col].plot(*zip(*points, strict=True), marker="o", label=label)
             axes[1][col].set_xlabel(title)

@@ -159,13 +159,14 @@ def test_time_to_target_excludes_evaluation_pauses():
 
     rows = [{"wall": 1.0 * (s + 1), "bytes_up": 100_000, "bytes_down": 50_000} for s in range(10)]
     evals = [
-        {"step": 2, "test_acc": 0.3, "eval_seconds": 0.5},
-        {"step": 4, "test_acc": 0.6, "eval_seconds": 0.5},
-        {"step": 6, "test_acc": 0.8, "eval_seconds": 0.5},
-        {"step": 10, "test_acc": 0.7, "eval_seconds": 0.5},
+        {"step": 1, "test_acc": 0.3, "eval_seconds": 0.5},
+        {"step": 3, "test_acc": 0.6, "eval_seconds": 0.5},
+        {"step": 5, "test_acc": 0.8, "eval_seconds": 0.5},
+        {"step": 9, "test_acc": 0.7, "eval_seconds": 0.5},
     ]
     got = to_target(rows, evals, 0.75)
-    # step 6 is 6.0 s into the run, of which two evaluations (1.0 s) were pauses
+    # step 5 (the 6th, 0-based as every step column) ends 6.0 s into the run, of which two
+    # evaluations (1.0 s) were pauses
     assert got == {"target_steps": 6, "target_seconds": 5.0, "target_mb": 0.9, "final_acc": 0.7}
     never = to_target(rows, evals, 0.9)
     assert never["final_acc"] == 0.7 and all(never[k] != never[k] for k in ("target_steps", "target_seconds"))

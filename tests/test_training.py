@@ -211,6 +211,11 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
     metrics = (log / "metrics.csv").read_text().splitlines()[1:]
     assert [step for step, _ in scalars["train/loss"]] == [int(r.split(",")[0]) for r in metrics]
     assert [round(v, 4) for _, v in scalars["test/acc"]] == [round(float(r.split(",")[3]), 4) for r in rows[1:]]
+    # one step convention: an evaluation's step is the last step trained before it, as metrics.csv counts
+    # (0-based), and both files' epoch is the epochs done after that step
+    last_metric, last_eval = metrics[-1].split(","), rows[-1].split(",")
+    assert int(last_eval[1]) == int(last_metric[0]) and float(last_eval[0]) == pytest.approx(float(last_metric[1]))
+    assert {step for step, _ in scalars["test/acc"]} <= {step for step, _ in scalars["train/loss"]}
     out = tmp_path / "plot.png"
     from click.testing import CliRunner
 

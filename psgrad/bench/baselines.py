@@ -112,7 +112,7 @@ def _evaluator(cfg: RunConfig, model, rank: int, steps: int):
             return None
         start = time.perf_counter()
         loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy)
-        return {"step": step + 1, "test_loss": loss, "test_acc": acc, "eval_seconds": time.perf_counter() - start}
+        return {"step": step, "test_loss": loss, "test_acc": acc, "eval_seconds": time.perf_counter() - start}
 
     return run
 

@@ -132,11 +132,12 @@ def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
 def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     """Time to accuracy from a run's metrics rows (one per step, in order) and evaluations.
 
-    1. The first evaluation with test accuracy >= ``target`` names the step s.
-    2. Seconds to target = the wall clock at step s minus the seconds evaluation held training up
-       before it (``paused_seconds``, else ``eval_seconds``: a row that evaluates more often must
-       not pay for it; bench runs evaluate in the foreground, so that is all of it).
-    3. Bytes to target = every byte sent in steps 1..s. Final accuracy = the last evaluation's.
+    1. The first evaluation with test accuracy >= ``target`` names the step s it followed
+       (0-based, as every ``step`` column): s + 1 steps to target.
+    2. Seconds to target = the wall clock at the end of step s minus the seconds evaluation held
+       training up before it (``paused_seconds``, else ``eval_seconds``: a row that evaluates more
+       often must not pay for it; bench runs evaluate in the foreground, so that is all of it).
+    3. Bytes to target = every byte sent in steps 0..s. Final accuracy = the last evaluation's.
     A run that never reaches the target has NaN for the first three.
     """
     out = {"target_steps": NAN, "target_seconds": NAN, "target_mb": NAN}
@@ -145,9 +146,9 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     for e in evals:
         if e["test_acc"] >= target:
             s = int(e["step"])
-            out["target_steps"] = s
-            out["target_seconds"] = rows[s - 1]["wall"] - paused
-            out["target_mb"] = sum(r["bytes_up"] + r["bytes_down"] for r in rows[:s]) / 1e6
+            out["target_steps"] = s + 1
+            out["target_seconds"] = rows[s]["wall"] - paused
+            out["target_mb"] = sum(r["bytes_up"] + r["bytes_down"] for r in rows[: s + 1]) / 1e6
             break
         paused += float(e.get("paused_seconds", e.get("eval_seconds", 0.0)))
     return out
