@@ -29,16 +29,22 @@ def mpiexec() -> str:
     return found
 
 
-def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``args`` under ``mpiexec -n n``; a hang fails the test at ``timeout`` instead of stalling CI."""
-    cmd = [mpiexec(), "-n", str(n), *args]
+def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its output captured and no stdin; a hang fails the test at ``timeout``
+    instead of stalling CI. ``env`` is added to this process's environment (None values remove)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {key: value for key, value in full_env.items() if value is not None}
     try:
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+
+
+def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` under ``mpiexec -n n`` (see run_bounded)."""
+    return run_bounded([mpiexec(), "-n", str(n), *args], timeout, env)
 
 
 def run_script(name: str, *args: str, n: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -1,9 +1,8 @@
 import json
-import os
 import sys
 
 import pytest
-from conftest import mpiexec, run_mpi
+from conftest import mpiexec, run_bounded, run_mpi
 
 from psgrad.bench import hidden_share, summarize
 from psgrad.models import build_model
@@ -11,24 +10,10 @@ from psgrad.models import build_model
 SMALL = ["--model", "mlp", "--batch-size", "8", "--synthetic-size", "256"]
 
 
-def _launcher(args: list[str], timeout: float = 300, **kw):
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
-        env.pop(key, None)
-    try:
-        return subprocess.run(
-            [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            **kw,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"psgrad bench hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+def _launcher(args: list[str], timeout: float = 300):
+    """psgrad bench as a user starts it, outside any MPI job (no inherited rank variables)."""
+    outside = {key: None for key in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")}
+    return run_bounded([sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *args], timeout, outside)
 
 
 def test_bench_inside_one_mpi_job(tmp_path):

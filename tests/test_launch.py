@@ -1,31 +1,19 @@
 """launch/mpirun.sh: MPI detection, hostfile translation, ranks per node and server placement."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpiexec
+from conftest import mpiexec, run_bounded
 
 SCRIPT = Path(__file__).parent.parent / "launch" / "mpirun.sh"
 FOUR_GPU_NODES = "# four nodes, four GPUs each, in both syntaxes\ngpu0 slots=4\ngpu1 slots=4\ngpu2:4\ngpu3\n"
 
 
 def _launch(*args: str, launcher: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MPIEXEC": launcher or mpiexec()}
-    try:
-        return subprocess.run(
-            ["bash", str(SCRIPT), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"launch/mpirun.sh {' '.join(args)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+    return run_bounded(["bash", str(SCRIPT), *args], timeout, {"MPIEXEC": launcher or mpiexec()})
 
 
 def _fake_mpiexec(tmp_path: Path, banner: str) -> str:

@@ -308,6 +308,7 @@ def test_checkpoint_from_another_layer_plan_is_refused_clearly():
     from psgrad.config import RunConfig
     from psgrad.engine.server import SyncServer
     from psgrad.feedback import NoFeedback
+    from psgrad.optim import LayerOptimizer
 
     named = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
     bucketed = plan_layers(named, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
@@ -321,6 +322,7 @@ def test_checkpoint_from_another_layer_plan_is_refused_clearly():
         ctx = SimpleNamespace(
             cfg=RunConfig(), transport=transport, rank=0, layers=layers, model=model, layout=RankLayout(3, 1),
             start=0, buffers_size=0, steps_per_epoch=10, make_feedback=lambda: NoFeedback(make_codec("none")),
+            make_optimizer=lambda: LayerOptimizer(),
         )  # fmt: skip
         return SyncServer(ctx)
 
