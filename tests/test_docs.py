@@ -86,3 +86,70 @@ def test_api_example_runs_as_written(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"final test accuracy ([0-9.]+)", out.stdout).group(1))
     assert accuracy > 0.3, out.stdout  # 10 classes: chance is 0.1
+
+
+README = DOCS.parent / "README.md"
+
+
+def _documented_commands():
+    """(file, command) for every shell command in the README's and docs' bash/console blocks:
+    continuation lines joined, prompts and trailing comments dropped, '&&' chains split."""
+    import re
+
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        for kind, body in re.findall(r"```(bash|console)\n(.*?)```", path.read_text(), re.S):
+            text = re.sub(r"\\\n\s*", " ", body)
+            for line in text.splitlines():
+                if kind == "console":
+                    if not line.startswith("$ "):
+                        continue  # output
+                    line = line[2:]
+                line = re.split(r"\s{2,}#\s", line)[0].strip()
+                if line and not line.startswith("#"):
+                    yield from ((path.name, part.strip()) for part in line.split("&&"))
+
+
+def test_documented_psgrad_commands_parse_as_written():
+    """Every psgrad command in a bash or console block of README.md and docs/ names a real
+    command and options with valid values (sketches with '...' are checked up to the dots)."""
+    import shlex
+
+    checked = 0
+    for name, command in _documented_commands():
+        words = shlex.split(command.replace("…", "...").split("...")[0], comments=True)
+        starts = [i for i, w in enumerate(words) if w == "psgrad" or w.endswith("/psgrad")]
+        if not starts or len(words) <= starts[0] + 1:
+            continue
+        sub, args = words[starts[0] + 1], words[starts[0] + 2 :]
+        args = args[: args.index(":")] if ":" in args else args  # the first part of an MPMD launch
+        assert sub in main.commands, f"{name}: unknown command in {command!r}"
+        try:
+            main.commands[sub].make_context(sub, list(args), resilient_parsing=False)
+        except click.BadParameter as err:
+            assert "does not exist" in str(err), f"{name}: {command!r}: {err}"
+        except click.UsageError as err:
+            raise AssertionError(f"{name}: {command!r}: {err}") from None
+        checked += 1
+    assert checked >= 15, checked
+
+
+def test_launch_scripts_named_in_the_docs_exist():
+    import re
+
+    for name, command in _documented_commands():
+        for script in re.findall(r"launch/[\w.-]+", command):
+            assert (DOCS.parent / script).is_file(), f"{name}: {command!r} names a missing {script}"
+
+
+def test_readme_first_command_trains_as_written(tmp_path):
+    """The README's first line, past its setup step, with this checkout's venv: the main job."""
+    import sys
+
+    from conftest import run_bounded
+
+    first = next(command for name, command in _documented_commands() if "psgrad train" in command)
+    bin_dir = Path(sys.executable).parent
+    words = [str(bin_dir / w.removeprefix(".venv/bin/")) if w.startswith(".venv/bin/") else w for w in first.split()]
+    out = run_bounded(words, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "test accuracy" in out.stderr and "[synthetic]" in out.stderr, out.stderr[-2000:]
