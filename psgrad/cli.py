@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 import torch
@@ -108,7 +109,13 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     help="Codec specs separated by ';' (e.g. 'qsgd:levels=4;topk:ratio=0.01'); default: a representative set.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="torch threads (1 = what one MPI rank uses).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (machine, rows) instead of tables.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default=None,
+    help="Also write the rows (and the machine) as JSON here, as bench's --json does; '-' prints them instead of tables.",
+)
 def codecs(
     sizes: tuple[int, ...],
     model: str | None,
@@ -118,7 +125,7 @@ def codecs(
     repeat: int,
     specs: tuple[str, ...],
     threads: int,
-    as_json: bool,
+    json_path: str | None,
 ) -> None:
     """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
     bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
@@ -130,9 +137,12 @@ def codecs(
         rows = codecbench.run_model(specs, shapes, repeat=repeat)
     else:
         rows = codecbench.run(specs, sizes=sizes, repeat=repeat)
-    if as_json:
-        click.echo(json.dumps({"machine": codecbench.machine(), "rows": codecbench.as_dicts(rows)}, indent=1))
-        return
+    if json_path is not None:
+        text = json.dumps({"machine": codecbench.machine(), "rows": codecbench.as_dicts(rows)}, indent=1)
+        if json_path == "-":
+            click.echo(text)
+            return
+        Path(json_path).write_text(text + "\n")
     click.echo(f"median of {repeat}, {threads} thread(s), caches cold before every call")
     click.echo(codecbench.table(rows))
     click.echo(f"available codecs: {', '.join(available_codecs())}")
@@ -199,8 +209,6 @@ def worker(**options) -> None:
 @click.option("-o", "--output", default="psgrad.png", type=click.Path(dir_okay=False), help="PNG file to write.")
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
-    from pathlib import Path
-
     from .plot import plot_runs
 
     try:

@@ -52,6 +52,8 @@ def markdown() -> str:
                 if isinstance(param, click.Option):
                     flags = " / ".join(param.opts + param.secondary_opts)
                     text = (param.help or "").replace("|", "\\|")
+                    if isinstance(param.type, click.Choice):
+                        text += " Choices: " + ", ".join(f"`{c}`" for c in param.type.choices) + "."
                 else:
                     flags, text = param.name.upper(), "positional"
                 lines.append(f"| `{flags}` | {_default(param)} | {text} |")

@@ -204,7 +204,7 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03)
 
 
-def test_codec_report_per_size_and_per_model():
+def test_codec_report_per_size_and_per_model(tmp_path):
     """psgrad codecs: one row per codec and size (its own memcpy yardstick), or per codec over a
     model's layers; sizes take K/M suffixes and bad ones are refused by name."""
     from click.testing import CliRunner
@@ -214,16 +214,17 @@ def test_codec_report_per_size_and_per_model():
 
     assert codecbench.parse_size("256K") == 1 << 18 and codecbench.parse_size("3") == 3
     runner = CliRunner()
-    out = runner.invoke(main, ["codecs", "--sizes", "1K,8K", "--repeat", "1", "--codecs", "none;sign", "--json"])
+    out = runner.invoke(main, ["codecs", "--sizes", "1K,8K", "--repeat", "1", "--codecs", "none;sign", "--json", "-"])
     assert out.exit_code == 0, out.output
     rows = json.loads(out.output)["rows"]
     assert [(r["codec"], r["size"]) for r in rows] == [("none", 1024), ("sign", 1024), ("none", 8192), ("sign", 8192)]
     assert rows[3]["wire_bytes"] < rows[2]["wire_bytes"] / 25 and rows[0]["memcpy_gbps"] > 0
+    saved = tmp_path / "codecs.json"
     model = runner.invoke(
-        main, ["codecs", "--model", "resnet20", "--repeat", "1", "--codecs", "topk:ratio=0.1", "--json"]
+        main, ["codecs", "--model", "resnet20", "--repeat", "1", "--codecs", "topk:ratio=0.1", "--json", str(saved)]
     )
-    assert model.exit_code == 0, model.output
-    (row,) = json.loads(model.stdout)["rows"]
+    assert model.exit_code == 0 and "topk" in model.stdout, model.output  # the table, and the file
+    (row,) = json.loads(saved.read_text())["rows"]
     assert row["size"] == 275_572 and row["tensors"] == 59
     bad = runner.invoke(main, ["codecs", "--sizes", "4X"])
     assert bad.exit_code == 2 and "expected a size like" in bad.output
