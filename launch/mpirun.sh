@@ -6,10 +6,10 @@
 #
 # HOSTFILE: one node a line, in either syntax — "node0", "node0 slots=4" (Open MPI) or "node0:4"
 #   (MPICH); '#' starts a comment. It is translated into the syntax of the MPI found.
-# --ranks-per-node G: G ranks on every node (one per GPU; psgrad puts each on cuda:<local rank>).
+# --ranks-per-node G: G ranks on every node (one per GPU: each worker takes cuda:<its index among the node's workers>).
 #   Default 1. Rank 0, the parameter server, shares node 0 with G - 1 workers (--server-node shared).
-# --server-node own: the first node runs the server alone (it may be a CPU-only node: train with
-#   --device auto there), the others G workers each; NRANKS = 1 + G x (nodes - 1).
+# --server-node own: the first node runs the server alone (it may be a CPU-only node: the server
+#   takes no GPU), the others G workers each; NRANKS = 1 + G x (nodes - 1).
 # --dry-run: print the translated hostfile and the command instead of running it.
 # MPIEXEC=path picks the launcher. As root, Open MPI also gets --allow-run-as-root --oversubscribe.
 set -euo pipefail

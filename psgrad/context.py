@@ -66,12 +66,13 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: LossFn) -> tuple[floa
     return loss_sum / max(1, total), correct / max(1, total)
 
 
-def _device(cfg: RunConfig, transport: Transport) -> torch.device:
+def _device(cfg: RunConfig, local_worker: int) -> torch.device:
+    """A worker's device: ``cuda:<its index among this node's workers>`` (modulo the GPUs seen)."""
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch sees no CUDA device on this node")
-    return torch.device("cuda", transport.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", local_worker % torch.cuda.device_count())
 
 
 @dataclass
@@ -148,6 +149,8 @@ class RunContext:
                 loader = ShardLoader(
                     train_set, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
                 )
+        # collective on every rank (--device may differ per rank): a server counts in no GPU index
+        local_worker = transport.local_rank(group=int(layout.is_worker(rank)))
         # every rank agrees on the steps per epoch: the mean of the workers' shards
         spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
         total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
@@ -162,7 +165,7 @@ class RunContext:
             spe,
             total,
             0,
-            _device(cfg, transport) if layout.is_worker(rank) else torch.device("cpu"),
+            _device(cfg, local_worker) if layout.is_worker(rank) else torch.device("cpu"),
             loader,
             eval_data=eval_data,
             optimizer_fn=optimizer_fn,

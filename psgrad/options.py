@@ -186,7 +186,7 @@ RUN_OPTIONS = [
         "--device",
         "device",
         click.Choice(["auto", "cpu", "cuda"]),
-        "Worker device; cuda uses the GPU of the node-local rank.",
+        "Worker device; cuda puts each worker on cuda:<its index among its node's workers> (servers stay on the CPU).",
     ),
     ("--threads", "threads", click.IntRange(min=1), "torch threads per rank."),
     ("--seed", "seed", int, "Seed of the model, data order, augmentation and codec randomness."),

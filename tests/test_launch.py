@@ -109,3 +109,16 @@ def test_launch_scripts_parse():
         assert check.returncode == 0, f"{script.name}: {check.stderr}"
     sbatch = (SCRIPT.parent / "slurm.sbatch").read_text()
     assert "#SBATCH --gpus-per-node=1" in sbatch and "--device cuda" in sbatch and "--checkpoint-every" in sbatch
+
+
+def test_workers_count_gpus_among_workers_only():
+    """On one node: the server (rank 0) takes no GPU index, so the workers take cuda:0 and cuda:1."""
+    from conftest import run_mpi
+
+    probe = (
+        "from psgrad.comm.transport import Transport; t = Transport(); "
+        "print(f'rank {t.rank} index {t.local_rank(group=int(t.rank > 0))}', flush=True)"
+    )
+    out = run_mpi([sys.executable, "-c", probe], n=3, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(re.findall(r"rank (\d) index (\d)", out.stdout)) == [("0", "0"), ("1", "0"), ("2", "1")], out.stdout

@@ -321,11 +321,17 @@ class Transport:
         return bytes(buf)
 
     # ---------------------------------------------------------------- topology and failure
-    def local_rank(self) -> int:
-        """This rank's index among the ranks on its node (for picking a GPU)."""
+    def local_rank(self, group: int = 0) -> int:
+        """This rank's index among the ranks on its node that pass the same ``group`` (for picking
+        a GPU: workers count only workers, so a server beside them takes no GPU's index).
+        Collective over every rank."""
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
-            return node.Get_rank()
+            same = node.Split(group, key=self.rank)
+            try:
+                return same.Get_rank()
+            finally:
+                same.Free()
         finally:
             node.Free()
 
