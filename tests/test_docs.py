@@ -153,3 +153,21 @@ def test_readme_first_command_trains_as_written(tmp_path):
     out = run_bounded(words, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "test accuracy" in out.stderr and "[synthetic]" in out.stderr, out.stderr[-2000:]
+
+
+def test_python_snippets_run_as_written(tmp_path):
+    """Every python block of README.md and docs/ runs (docs/api.md's is an MPI script: the test
+    above runs it under mpiexec); pseudo-code is fenced as text, not python."""
+    import re
+    import sys
+
+    from conftest import run_bounded
+
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        if path.name == "api.md":
+            continue
+        for index, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            script = tmp_path / f"{path.stem}_{index}.py"
+            script.write_text(block)
+            out = run_bounded([sys.executable, str(script)], timeout=120)
+            assert out.returncode == 0, f"{path.name} python block {index}: {out.stderr[-2000:]}"
