@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Test accuracy of the benchmarked configurations on the accuracy proxy at equal epochs, over seeds
+# (docs/benchmarks.md, "Accuracy over seeds"): WRN-10-1, 1 server + 2 workers x batch 32, cosine
+# schedule from lr 0.1, the final evaluation of each run.
+# Usage: bash launch/proxy-accuracy.sh [OUT_DIR] [EPOCHS] [SEEDS]   (defaults: proxy-accuracy 15 "0 1 2")
+# Prints one line per configuration: the accuracies by seed, their median and spread (max - min).
+set -euo pipefail
+out=${1:-proxy-accuracy}
+epochs=${2:-15}
+seeds=${3:-0 1 2}
+here=$(cd "$(dirname "$0")/.." && pwd)
+psgrad=${PSGRAD:-$here/.venv/bin/psgrad}
+mpiexec=${MPIEXEC:-$here/.venv/bin/mpiexec}
+python=${PSGRAD_PYTHON:-$here/.venv/bin/python}
+configs=(
+  "none"
+  "qsgd:levels=16 --down-codec qsgd:levels=16"
+  "sign --feedback ef --down-codec sign"
+  "sign --feedback ef --down-codec qsgd:levels=16"
+  "topk:ratio=0.01,approx=1 --feedback ef --down-codec topk:ratio=0.01,approx=1"
+)
+mkdir -p "$out"
+for i in "${!configs[@]}"; do
+  for seed in $seeds; do
+    log="$out/config$i-seed$seed"
+    [ -e "$log/eval.csv" ] && continue  # rerunning the script finishes what an earlier run left
+    # shellcheck disable=SC2086  # a configuration is several options
+    "$mpiexec" -n 3 "$psgrad" train --model wrn --depth 10 --widen-factor 1 --dataset proxy \
+      --epochs "$epochs" --batch-size 32 --schedule cosine --eval-every "$epochs" --seed "$seed" \
+      --no-progress --log-dir "$log" --codec ${configs[$i]} >/dev/null
+  done
+done
+"$python" - "$out" "$seeds" "${configs[@]}" <<'PY'
+import csv, statistics, sys
+from pathlib import Path
+
+out, seeds, configs = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
+for i, config in enumerate(configs):
+    accs = []
+    for seed in seeds:
+        with open(out / f"config{i}-seed{seed}" / "eval.csv") as f:
+            accs.append(float(list(csv.DictReader(f))[-1]["test_acc"]))
+    print(f"{config:80s} {' '.join(f'{a:.3f}' for a in accs)}  median {statistics.median(accs):.3f}  spread {max(accs) - min(accs):.3f}")
+PY
