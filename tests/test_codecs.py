@@ -14,6 +14,7 @@ SPECS = [
     "topk:ratio=0.1,approx=1",
     "topk:ratio=0.05,values=fp16",
     "randomk:ratio=0.2",
+    "randomk:ratio=0.3,shared=1",
     "threshold:v=0.5",
     "terngrad",
     "terngrad:clip=1",
@@ -374,3 +375,22 @@ def test_non_finite_gradients_code_without_numpy_warnings(spec):
         warnings.simplefilter("error")
         msg = codec.encode(grad, seed=1)
         codec.decode_add(msg, torch.zeros(300))
+
+
+def test_shared_randomk_keeps_values_at_coordinates_every_worker_shares():
+    """shared=1: unique sorted coordinates, values not rescaled, and encode_gradient seeds them
+    by (step, layer) alone, so two workers' messages line up; the rescaled variant does not."""
+    from psgrad.comm.protocol import Layer, encode_gradient
+    from psgrad.feedback import NoFeedback
+
+    grad = torch.randn(1000)
+    codec = make_codec("randomk:ratio=0.1,shared=1")
+    out = codec.decode(codec.encode(grad, seed=5))
+    kept = torch.nonzero(out).view(-1)
+    assert 0 < kept.numel() <= 100 and torch.equal(out[kept], grad[kept])
+    layer = Layer(3, "w", (1000,), ("w",), 0)
+    for spec, same in [("randomk:ratio=0.1,shared=1", True), ("randomk:ratio=0.1", False)]:
+        feedback = NoFeedback(make_codec(spec))
+        a, b = (encode_gradient(feedback, layer, torch.randn(1000), 7, sender, sender, 0) for sender in (1, 2))
+        assert (a.seed == b.seed) == same, spec
+    assert make_codec("randomk:ratio=0.1,shared=1").feedback_safe and not make_codec("randomk:ratio=0.1").feedback_safe

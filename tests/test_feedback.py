@@ -75,7 +75,16 @@ def test_unknown_feedback():
         make_feedback("bogus", make_codec("none"))
 
 
-@pytest.mark.parametrize("spec, bounded", [("randomk:ratio=0.01", False), ("topk:ratio=0.01", True), ("sign", True)])
+@pytest.mark.parametrize(
+    "spec, bounded",
+    [
+        ("randomk:ratio=0.01", False),
+        ("randomk:ratio=0.1", False),
+        ("randomk:ratio=0.1,shared=1", True),  # the same coordinates, not rescaled: contractive
+        ("topk:ratio=0.01", True),
+        ("sign", True),
+    ],
+)
 def test_error_feedback_memory_stays_bounded_only_for_contractive_codecs(spec, bounded):
     torch.manual_seed(0)
     ef = ErrorFeedback(make_codec(spec))
@@ -95,6 +104,7 @@ def test_feedback_and_down_link_refuse_rescaling_codecs():
     with pytest.raises(ValueError, match="--down-codec randomk:ratio=0.01 diverges"):
         RunConfig(down_codec="randomk:ratio=0.01").validate()
     RunConfig(codec="randomk:ratio=0.01").validate()  # plain random-k (no memory) is fine
+    RunConfig(codec="randomk:ratio=0.01,shared=1", feedback="ef", down_codec="randomk:ratio=0.01,shared=1").validate()
 
 
 @pytest.mark.parametrize("spec", ["sign", "topk:ratio=0.1", "qsgd:levels=4", "none"])

@@ -31,6 +31,8 @@ def _ok(proc, marker):
         ["--colocated", "--serve-thread", "--delta-down"],
         ["--sign-one-step"],
         ["--sign-one-step", "--no-bucket-vectors"],
+        ["--shared-randomk"],
+        ["--shared-randomk", "--alltoall"],
     ],
     ids=[
         "sgd",
@@ -46,6 +48,8 @@ def _ok(proc, marker):
         "colocated-serve-thread",
         "vectors-exact",
         "vectors-coded",
+        "shared-randomk",
+        "shared-randomk-alltoall",
     ],
 )
 def test_none_codec_through_server_equals_averaged_sgd(flags):
@@ -72,6 +76,8 @@ def test_every_codec_trains_with_and_without_error_feedback():
     configs += [{"codec": "topk:ratio=0.01", "feedback": "dgc", "momentum": 0.0, "lr": 0.02}]
     configs += [{"codec": "none", "down_codec": "fp16"}, {"codec": "qsgd", "down_codec": "qsgd:levels=64"}]
     configs += [{"codec": "topk:ratio=0.01", "feedback": "ef", "down_codec": "topk:ratio=0.01"}]
+    shared = "randomk:ratio=0.25,shared=1"  # the down-link keeps the coordinates the workers sent
+    configs += [{"codec": shared, "feedback": "ef", "down_codec": shared}]
     proc = run_script("converge.py", *[json.dumps(c) for c in configs], timeout=400)
     _ok(proc, "CONVERGE OK")
 

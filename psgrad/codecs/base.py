@@ -115,6 +115,13 @@ class Codec:
         """True when E[decode(encode(g))] == g."""
         return False
 
+    @property
+    def shares_randomness(self) -> bool:
+        """True when every worker must encode a layer with the same randomness in a step (the
+        workers' messages then line up coordinate by coordinate: shared random-k). Senders seed it
+        with ``protocol.SHARED_STREAM`` instead of their own stream."""
+        return False
+
     # ---------------------------------------------------------------- contract
     def encode(self, grad: torch.Tensor, seed: int = 0) -> Message:
         """Encode ``grad`` (any shape, a floating dtype) into a Message; ``seed`` fixes all randomness."""

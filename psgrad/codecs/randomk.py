@@ -12,17 +12,25 @@ from .base import Codec, Message, register
 
 @register
 class RandomKCodec(Codec):
-    """Send the values at k uniformly drawn coordinates, rescaled by n / k (unbiased).
+    """Send the values at k uniformly drawn coordinates, rescaled by n / k (unbiased), or, with
+    ``shared=1``, the values themselves at coordinates every worker shares.
 
     1. Draw k indices uniformly with replacement from a CPU generator seeded with ``seed``
        (drawing with replacement keeps encoding O(k); a duplicate simply counts twice).
     2. Send the values at those indices; the receiver regenerates the indices from the seed.
     3. Decode scatters-adds ``values * n / k``: every draw has expectation g / k, so the sum is
        unbiased.
+
+    ``shared=1``: the k draws are made unique and sorted (k' <= k coordinates), the values are
+    sent as they are and decoded without rescaling. Workers encode with a seed that does not
+    depend on the worker (``Codec.shares_randomness``), so all of them keep the same coordinates
+    in a step and the server's sum is the dense sum on those coordinates. Biased, but safe inside
+    error feedback: a kept coordinate leaves a residual of exactly 0 and the others keep theirs,
+    so ||x - D(C(x))|| <= ||x|| (the rescaled variant leaves (1 - n/k) x and grows).
     """
 
     name = "randomk"
-    defaults = {"ratio": 0.01}
+    defaults = {"ratio": 0.01, "shared": False}
 
     def _validate(self, params):
         if not 0.0 < params["ratio"] <= 1.0:
@@ -30,13 +38,17 @@ class RandomKCodec(Codec):
 
     @property
     def unbiased(self) -> bool:
-        return True
+        return not self.params["shared"]
 
     @property
     def feedback_safe(self) -> bool:
         # a kept coordinate leaves a residual of (1 - c n/k) x_i (c = times drawn): at least as
-        # large as x_i for any ratio < 1, so the memory grows without bound
-        return float(self.params["ratio"]) >= 1.0
+        # large as x_i for any ratio < 1, so the memory grows without bound; shared keeps x_i as is
+        return bool(self.params["shared"]) or float(self.params["ratio"]) >= 1.0
+
+    @property
+    def shares_randomness(self) -> bool:
+        return bool(self.params["shared"])
 
     def k_for(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(float(self.params["ratio"]) * numel))) if numel else 0
@@ -48,9 +60,13 @@ class RandomKCodec(Codec):
         gen = _bits.generator(seed, torch.device("cpu"))
         return torch.randint(0, numel, (k,), generator=gen).to(device)
 
+    def _kept(self, numel: int, seed: int, device: torch.device) -> torch.Tensor:
+        """The indices a message of ``numel`` elements keeps (unique and sorted with ``shared``)."""
+        indices = self._indices(numel, self.k_for(numel), seed, device)
+        return torch.unique(indices) if self.params["shared"] else indices
+
     def _encode(self, flat, shape, seed):
-        k = self.k_for(flat.numel())
-        return {"values": flat[self._indices(flat.numel(), k, seed, flat.device)]}
+        return {"values": flat[self._kept(flat.numel(), seed, flat.device)]}
 
     def _decode(self, msg: Message, device):
         out = torch.zeros(msg.numel, dtype=torch.float32, device=device)
@@ -61,12 +77,14 @@ class RandomKCodec(Codec):
         k = self.k_for(msg.numel)
         if k == 0:
             return
-        indices = self._indices(msg.numel, k, msg.seed, out.device)
+        indices = self._kept(msg.numel, msg.seed, out.device)
         values = msg.arrays["values"].to(out.device, torch.float32)
-        out.view(-1).index_add_(0, indices, values, alpha=alpha * msg.numel / k)
+        scale = 1.0 if self.params["shared"] else msg.numel / k
+        out.view(-1).index_add_(0, indices, values, alpha=alpha * scale)
 
     def _expected(self, msg):
-        return {"values": (torch.float32, (self.k_for(msg.numel),))}
+        count = self._kept(msg.numel, msg.seed, torch.device("cpu")).numel() if msg.numel else 0
+        return {"values": (torch.float32, (count,))}
 
     def max_payload_bytes(self, shape):
         return 4 * self.k_for(math.prod(shape))

@@ -194,6 +194,7 @@ def load_buffers_vector(model: nn.Module, flat: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------- seeds and messages
 SERVER_STREAM = 1 << 20  # the "sender" of a server's down-link seeds: no worker index reaches it
+SHARED_STREAM = 1 << 21  # every sender's stream for a codec that shares its randomness (up and down)
 
 
 def message_seed(run_seed: int, step: int, layer: int, stream: int) -> int:
@@ -262,7 +263,9 @@ def encode_gradient(
         msg = _EXACT.encode(torch.zeros_like(grad))
         msg.meta["skip"] = 1
     elif layer.compress:
-        msg = feedback.encode(layer.name, grad, message_seed(run_seed, step, layer.index, stream))
+        shared = feedback.codec.shares_randomness
+        seed = message_seed(run_seed, step, layer.index, SHARED_STREAM if shared else stream)
+        msg = feedback.encode(layer.name, grad, seed)
     else:
         msg = _EXACT.encode(grad)
     msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, sender

@@ -39,6 +39,7 @@ from ..codecs import Codec, Message, make_codec
 from ..comm import wire
 from ..comm.protocol import (
     SERVER_STREAM,
+    SHARED_STREAM,
     TAG_CONTROL,
     TAG_VALUES,
     Layer,
@@ -159,7 +160,9 @@ class ServerBase:
             msg.kind = "params"
         else:
             shadow = self._shadow_of(layer, workers)
-            seed = message_seed(self.cfg.seed, step, layer.index, SERVER_STREAM)
+            # a codec that shares its randomness sends the coordinates the workers' messages used
+            stream = SHARED_STREAM if self.down_codec.shares_randomness else SERVER_STREAM
+            seed = message_seed(self.cfg.seed, step, layer.index, stream)
             change = torch.sub(self.values[layer.index], shadow, out=self.scratch[layer.index])
             msg = self.down_codec.encode(change.view(layer.shape), seed=seed)
             # the same decode_add the workers run on their parameters: the shadow stays bit-exact

@@ -2,6 +2,9 @@
 
 ``--alltoall`` / ``--colocated``: every rank is a worker (and with colocated, also a server).
 
+``--shared-randomk``: random-k with coordinates shared by the workers (``shared=1``) equals SGD
+on the workers' averaged gradient kept at those coordinates (layers that travel exactly: whole).
+
 ``--sign-one-step [--no-bucket-vectors]``: one step with the lossy sign codec both ways. The 1-D
 parameters travel exactly in their own bucket, so they must equal the reference while every
 weight matrix must differ; without the bucket the biases are sign-coded and differ too.
@@ -11,6 +14,8 @@ import sys
 
 import torch
 
+from psgrad.codecs import make_codec
+from psgrad.comm.protocol import SHARED_STREAM, message_seed, plan_layers
 from psgrad.comm.transport import world_rank, world_size
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
@@ -39,6 +44,9 @@ push = "after" if "--push-after" in sys.argv else "backward"
 # a down-codec that keeps everything: the workers follow the server through deltas, not values
 down = "topk:ratio=1.0" if "--delta-down" in sys.argv else "none"
 codec = "none"
+shared_randomk = "--shared-randomk" in sys.argv
+if shared_randomk:
+    codec = "randomk:ratio=0.3,shared=1"
 if sign_one_step:
     codec, down = "sign", "sign"
 cfg = RunConfig(
@@ -62,11 +70,22 @@ if world_rank() == 0:
     )
     data = load_dataset("synthetic", "train", synthetic_size=256, seed=cfg.seed)
     loaders = [ShardLoader(data, "synthetic", w, workers, cfg.batch_size, cfg.seed) for w in range(workers)]
+    layers = plan_layers([(n, tuple(p.shape)) for n, p in model.named_parameters()], granularity, 1, bucket)
+    params = dict(model.named_parameters())
     for step in range(steps):
         opt.zero_grad()
         for loader in loaders:
             x, y = loader.batch(step)
             (torch.nn.functional.cross_entropy(model(x), y) / workers).backward()
+        for layer in layers if shared_randomk else []:
+            if not layer.compress:
+                continue
+            (name,) = layer.params
+            seed = message_seed(cfg.seed, step, layer.index, SHARED_STREAM)
+            kept = make_codec(codec)._kept(params[name].numel(), seed, torch.device("cpu"))
+            mask = torch.zeros(params[name].numel())
+            mask[kept] = 1.0
+            params[name].grad.mul_(mask.view(params[name].shape))
         opt.step()
     for name, p in model.named_parameters():
         if sign_one_step and (p.dim() > 1 or not bucket):
