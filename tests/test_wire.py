@@ -128,9 +128,17 @@ def test_tiny_message_claiming_a_huge_layer_is_refused_with_the_layer_shape():
     assert len(bomb) < 300 and wire.loads(bomb).numel == 1 << 31  # well-formed on its own
     with pytest.raises(WireError, match="not the layer's"):
         wire.loads(bomb, shape=(1000,))
-    for spec in ("randomk:ratio=0.001", "threshold:v=3.0"):
+    for spec in ("randomk:ratio=0.001", "threshold:v=3.0", "randomk:ratio=0.001,shared=1"):
         with pytest.raises(WireError, match="not the layer's"):
             wire.loads(_forged(spec, 1000, shape=[1 << 28]), shape=(1000,))
+    # shared random-k checks its value count without drawing its 2^28 x ratio coordinates
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    shared = _forged("randomk:ratio=0.001,shared=1", 1000, shape=[1 << 31], params={"ratio": 0.5, "shared": True})
+    with pytest.raises(WireError, match="values"):
+        wire.loads(shared)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KB: nothing drawn
 
 
 def test_blosc_frame_of_zeros_is_refused_before_decompressing(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import _bits
@@ -21,7 +22,7 @@ class RandomKCodec(Codec):
     3. Decode scatters-adds ``values * n / k``: every draw has expectation g / k, so the sum is
        unbiased.
 
-    ``shared=1``: the k draws are made unique and sorted (k' <= k coordinates), the values are
+    ``shared=1``: k distinct coordinates (the first k distinct draws, sorted), the values are
     sent as they are and decoded without rescaling. Workers encode with a seed that does not
     depend on the worker (``Codec.shares_randomness``), so all of them keep the same coordinates
     in a step and the server's sum is the dense sum on those coordinates. Biased, but safe inside
@@ -61,9 +62,22 @@ class RandomKCodec(Codec):
         return torch.randint(0, numel, (k,), generator=gen).to(device)
 
     def _kept(self, numel: int, seed: int, device: torch.device) -> torch.Tensor:
-        """The indices a message of ``numel`` elements keeps (unique and sorted with ``shared``)."""
-        indices = self._indices(numel, self.k_for(numel), seed, device)
-        return torch.unique(indices) if self.params["shared"] else indices
+        """The indices a message of ``numel`` elements keeps; with ``shared``, exactly k distinct
+        ones, sorted: the first k distinct values of a seeded stream of uniform draws (a uniform
+        random k-subset, found in O(k log k) however large the layer)."""
+        k = self.k_for(numel)
+        if not self.params["shared"]:
+            return self._indices(numel, k, seed, device)
+        if k >= numel:
+            return torch.arange(numel, device=device)
+        rng = np.random.Generator(np.random.PCG64(int(seed) & 0xFFFF_FFFF_FFFF_FFFF))
+        draws = rng.integers(0, numel, size=k + k // 4 + 16)
+        while True:
+            distinct, first = np.unique(draws, return_index=True)
+            if distinct.size >= k:
+                break
+            draws = np.concatenate([draws, rng.integers(0, numel, size=2 * (k - distinct.size) + 16)])
+        return torch.from_numpy(np.sort(distinct[np.argsort(first, kind="stable")[:k]])).to(device)
 
     def _encode(self, flat, shape, seed):
         return {"values": flat[self._kept(flat.numel(), seed, flat.device)]}
@@ -83,8 +97,7 @@ class RandomKCodec(Codec):
         out.view(-1).index_add_(0, indices, values, alpha=alpha * scale)
 
     def _expected(self, msg):
-        count = self._kept(msg.numel, msg.seed, torch.device("cpu")).numel() if msg.numel else 0
-        return {"values": (torch.float32, (count,))}
+        return {"values": (torch.float32, (self.k_for(msg.numel),))}
 
     def max_payload_bytes(self, shape):
         return 4 * self.k_for(math.prod(shape))
