@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import _cpu
+
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
 
@@ -36,10 +38,9 @@ def _unpack_plane(packed: torch.Tensor, count: int) -> torch.Tensor:
     return bits.view(-1)[:count]
 
 
-# row b = the 8 bits (0.0 / 1.0) that packed byte b stands for, most significant first
-_BIT_TABLE = torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)).float()
-# row b = the 8 signs (+1.0 / -1.0): a set bit means negative
-_SIGN_TABLE = 1.0 - 2.0 * _BIT_TABLE
+# the 256 x 8 decode tables of the CPU kernels, as tensors (shared memory, one definition)
+_BIT_TABLE = torch.from_numpy(_cpu.BIT_ROWS)
+_SIGN_TABLE = torch.from_numpy(_cpu.SIGN_ROWS)
 
 
 def host_array(t: torch.Tensor):

@@ -49,17 +49,22 @@ def host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+def _block_size(multiple: int) -> int:
+    """The largest multiple of ``multiple`` not above BLOCK (at least ``multiple``)."""
+    return max(multiple, BLOCK // multiple * multiple)
+
+
 def blocks(n: int, multiple: int = 8) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive blocks covering ``range(n)``; every block but the last
     holds a multiple of ``multiple`` elements (8 keeps packed bits byte-aligned)."""
-    step = max(multiple, BLOCK // multiple * multiple)
+    step = _block_size(multiple)
     for start in range(0, n, step):
         yield start, min(n, start + step)
 
 
 def block_buffer(n: int, dtype, multiple: int = 8) -> np.ndarray:
     """A scratch buffer for one block of a tensor of ``n`` elements."""
-    return np.empty(min(n, max(multiple, BLOCK // multiple * multiple)), dtype=dtype)
+    return np.empty(min(n, _block_size(multiple)), dtype=dtype)
 
 
 @quiet
