@@ -99,6 +99,21 @@ class RunConfig:
             f"--down-codec {self.down_codec} diverges: the down-link keeps what the codec did not send for later "
             "steps (error feedback), which grows without bound for a codec that rescales the values it keeps",
         )
+        if make_codec(self.codec).multi_round:
+            name = make_codec(self.codec).name
+            need(
+                self.feedback == "none",
+                f"{name} keeps its own error feedback ({name}:ef=0 turns it off): use --feedback none",
+            )
+            need(self.mode == "sync", f"{name} sums every worker's factors before anyone goes on: it needs --mode sync")
+            need(
+                self.granularity == "layer",
+                f"{name} factors each layer's matrix: it needs --granularity layer (model granularity is one vector)",
+            )
+        need(
+            not make_codec(self.down_codec).multi_round,
+            f"--down-codec {self.down_codec}: a multi-round codec's reply is its own down-link; use it as --codec",
+        )
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.push in ("backward", "after"), f"--push must be backward or after, got {self.push!r}")
         need(

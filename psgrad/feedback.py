@@ -155,13 +155,58 @@ class DGCMemory(NoFeedback):
         }
 
 
+class RoundMemory(NoFeedback):
+    """A worker's memory of a multi-round codec (PowerSGD), one state per layer.
+
+    1. ``encode`` starts a layer's step: the codec's first round (or its plain one-round message
+       for a shape it does not factor).
+    2. ``advance`` answers the server's reply of a round with the next round's message.
+    3. ``finish`` turns the last reply into the gradient every worker applies.
+    The state (PowerSGD's error memory and warm-start Q) is checkpointed; a checkpoint is taken
+    between steps, when no round is open.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        super().__init__(codec)
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
+
+    def encode(self, layer: str, grad: torch.Tensor, seed: int) -> Message:
+        shape = tuple(grad.shape)
+        if self.codec.rounds(shape) == 1:
+            return self.codec.encode(grad, seed=seed)
+        arrays = self.codec.first_round(self.states.setdefault(layer, {}), grad, seed)
+        return self._message(shape, arrays, 1, seed)
+
+    def advance(self, layer: str, shape: tuple[int, ...], round_: int, reply: dict[str, torch.Tensor]) -> Message:
+        """The message of round ``round_ + 1`` after the server's reply to ``round_``."""
+        arrays = self.codec.next_round(self.states[layer], shape, reply)
+        return self._message(shape, arrays, round_ + 1)
+
+    def finish(self, layer: str, reply: dict[str, torch.Tensor], applied: bool = True) -> torch.Tensor:
+        """The flat gradient of the layer's last reply (``applied`` False: the server skipped it)."""
+        return self.codec.finish(self.states[layer], reply, applied)
+
+    def _message(self, shape: tuple[int, ...], arrays: dict[str, torch.Tensor], round_: int, seed: int = 0) -> Message:
+        meta = {"round": round_}
+        return Message(self.codec.name, dict(self.codec.params), shape, "float32", arrays, seed=seed, meta=meta)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"round/{layer}/{key}": t for layer, state in self.states.items() for key, t in state.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.states = {}
+        for key, tensor in state.items():
+            layer, _, name = key.removeprefix("round/").rpartition("/")
+            self.states.setdefault(layer, {})[name] = tensor.clone()
+
+
 FEEDBACKS = ("none", "ef", "dgc")
 
 
 def make_feedback(kind: str, codec: Codec, **options: float) -> NoFeedback:
     """``none`` | ``ef`` (error feedback) | ``dgc`` (options: momentum, nesterov, clip_norm, ...)."""
     if kind == "none":
-        return NoFeedback(codec)
+        return RoundMemory(codec) if codec.multi_round else NoFeedback(codec)
     if kind == "ef":
         return ErrorFeedback(codec)
     if kind == "dgc":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import dense, qsgd, randomk, sign, svd, terngrad, threshold, topk  # noqa: F401  (register)
+from . import dense, powersgd, qsgd, randomk, sign, svd, terngrad, threshold, topk  # noqa: F401  (register)
 from .base import _REGISTRY, Codec, Message, register
 
 __all__ = ["Codec", "Message", "available_codecs", "make_codec", "parse_spec", "register"]

@@ -122,6 +122,18 @@ class Codec:
         with ``protocol.SHARED_STREAM`` instead of their own stream."""
         return False
 
+    def rounds(self, shape: tuple[int, ...]) -> int:
+        """Messages per layer and step through a server. 1: the server decodes and sums each one.
+        More (PowerSGD): the server sums the round's messages in code space, replies with
+        ``reduce``, and the workers answer with the next round (docs/protocol.md); the codec then
+        also has ``first_round``, ``next_round``, ``finish``, ``reduce`` and ``gradient``."""
+        return 1
+
+    @property
+    def multi_round(self) -> bool:
+        """True when some layer shapes take more than one round (``rounds``)."""
+        return False
+
     # ---------------------------------------------------------------- contract
     def encode(self, grad: torch.Tensor, seed: int = 0) -> Message:
         """Encode ``grad`` (any shape, a floating dtype) into a Message; ``seed`` fixes all randomness."""

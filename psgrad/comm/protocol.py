@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from ..codecs import Message, make_codec
+from ..codecs import Codec, Message, make_codec
 from ..feedback import NoFeedback
 from . import wire
 
@@ -254,22 +254,52 @@ def encode_gradient(
 
     A non-finite gradient never reaches the feedback (its memory would stay NaN for good):
     ``abort`` raises NonFiniteError; ``skip`` sends exact zeros marked ``meta["skip"]`` and every
-    receiver leaves the layer as it is for this step."""
+    receiver leaves the layer as it is for this step. (A multi-round layer sends the first round
+    of a zero gradient instead, so that its rounds stay well-formed.)"""
     grad = grad.detach().reshape(layer.shape)
     problem = nonfinite_text(grad, f"step {step}: rank {sender}'s gradient of {layer.name!r}")
-    if problem is not None:
-        if on_nonfinite == "abort":
-            raise NonFiniteError(problem)
+    rounds = layer_rounds(feedback.codec, layer)
+    if problem is not None and on_nonfinite == "abort":
+        raise NonFiniteError(problem)
+    if problem is not None and rounds == 1:
         msg = _EXACT.encode(torch.zeros_like(grad))
         msg.meta["skip"] = 1
     elif layer.compress:
+        if problem is not None:
+            grad = torch.zeros_like(grad)
         shared = feedback.codec.shares_randomness
         seed = message_seed(run_seed, step, layer.index, SHARED_STREAM if shared else stream)
         msg = feedback.encode(layer.name, grad, seed)
+        if problem is not None:
+            msg.meta["skip"] = 1
     else:
         msg = _EXACT.encode(grad)
     msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, sender
     return msg
+
+
+def layer_rounds(codec: Codec, layer: Layer) -> int:
+    """Messages per step of ``layer`` under ``codec`` (an uncompressed layer: one, exact)."""
+    return codec.rounds(layer.shape) if layer.compress else 1
+
+
+def code_message(
+    layer: Layer, round_: int, arrays: dict[str, torch.Tensor], codec: Codec, step: int, sender: int, skip: bool = False
+) -> Message:
+    """A server's reply to one round of a multi-round codec: the aggregated code (kind ``code``)."""
+    meta: dict = {"round": round_, **({"skip": 1} if skip else {})}
+    return Message(
+        codec.name,
+        dict(codec.params),
+        layer.shape,
+        "float32",
+        arrays,
+        kind="code",
+        step=step,
+        layer=layer.name,
+        sender=sender,
+        meta=meta,
+    )
 
 
 def layer_grad(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:

@@ -43,7 +43,9 @@ from ..comm.protocol import (
     TAG_CONTROL,
     TAG_VALUES,
     Layer,
+    code_message,
     copy_flat_into,
+    layer_rounds,
     layer_tag,
     message_seed,
     skip_update,
@@ -84,10 +86,13 @@ class ServerBase:
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
         self.send_deltas = self.down_codec.name != "none"
+        # layers whose codec takes several rounds: their last reply is the down-link, no shadow
+        codec = make_codec(self.cfg.codec)
+        self.rounds = {layer.index: layer_rounds(codec, layer) for layer in self.owned}
         # what the workers hold of each owned layer: one copy in sync mode, one per worker in async
         self.shadow: dict[tuple[int, int], torch.Tensor] = {}
         if self.send_deltas:
-            for layer in (layer for layer in self.owned if layer.compress):
+            for layer in (layer for layer in self.owned if layer.compress and self.rounds[layer.index] == 1):
                 for w in self.shadow_keys():
                     self.shadow[(layer.index, w)] = self.values[layer.index].clone()
         # value - shadow of each layer is formed here, not in a fresh allocation every step
@@ -152,7 +157,7 @@ class ServerBase:
     def _reply(self, layer: Layer, workers: list[int], exact: bool = False) -> None:
         """Send ``layer`` to ``workers``: its value (exact, or --down-codec none) or its encoded change."""
         step = self.layer_step[layer.index]
-        if not self.send_deltas or not layer.compress:
+        if not self.send_deltas or not layer.compress or self.rounds[layer.index] > 1:
             msg = self.exact_codec.encode(self.values[layer.index].view(layer.shape))
             msg.kind = "params"
         elif exact:
@@ -169,6 +174,10 @@ class ServerBase:
             self.down_codec.decode_add(msg, shadow)
             msg.kind = "delta"
         msg.step, msg.layer, msg.sender = step, layer.name, self.rank
+        self._deliver(layer, msg, workers)
+
+    def _deliver(self, layer: Layer, msg: Message, workers: list[int]) -> None:
+        """Send ``msg`` about ``layer`` to ``workers``: encoded once, handed over on this rank."""
         remote = [w for w in workers if w != self.rank]
         if len(remote) < len(workers):
             self.local_replies[layer.index] = msg
@@ -265,10 +274,14 @@ class ServerBase:
             self.codecs[key] = make_codec(msg.codec, **msg.params)
         return self.codecs[key]
 
-    def _check_grad(self, worker: int, layer: Layer, msg: Message, expected: int) -> None:
+    def _check_grad(self, worker: int, layer: Layer, msg: Message, expected: int, round_: int = 0) -> None:
         if msg.kind != "grad" or msg.layer != layer.name or msg.step != expected or tuple(msg.shape) != layer.shape:
             raise RuntimeError(
                 f"rank {worker} sent {msg.kind} for {msg.layer!r} step {msg.step} shape {tuple(msg.shape)}; expected grad for {layer.name!r} step {expected} shape {layer.shape}"
+            )
+        if msg.meta.get("round", 0) != round_:
+            raise RuntimeError(
+                f"rank {worker} sent round {msg.meta.get('round', 0)} of {layer.name!r} step {expected}; expected round {round_}"
             )
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
@@ -386,28 +399,63 @@ class SyncServer(ServerBase):
         self.count = {layer.index: 0 for layer in self.owned}  # workers summed in so far, in order
         self.held: dict[int, dict[int, Message]] = {layer.index: {} for layer in self.owned}
         self.skipping: set[int] = set()  # layers of this step a worker marked skipped (non-finite)
+        # multi-round layers: the open round, its code-space sum, and the replies of earlier rounds
+        self.round = {layer.index: 1 for layer in self.owned if self.rounds[layer.index] > 1}
+        self.code_sum: dict[int, dict[str, torch.Tensor]] = {}
+        self.code_replies: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
-        self._check_grad(worker, layer, msg, self.layer_step[layer.index])
-        held = self.held[layer.index]
+        index = layer.index
+        self._check_grad(worker, layer, msg, self.layer_step[index], self.round.get(index, 0))
+        held = self.held[index]
         held[worker] = msg
         start = time.perf_counter()
-        while self.count[layer.index] < self.num_workers and self.workers[self.count[layer.index]] in held:
-            ready = held.pop(self.workers[self.count[layer.index]])
+        while self.count[index] < self.num_workers and self.workers[self.count[index]] in held:
+            ready = held.pop(self.workers[self.count[index]])
             if ready.meta.get("skip"):
-                self.skipping.add(layer.index)
-            self._codec(ready).decode_add(ready, self.acc[layer.index], alpha=1.0 / self.num_workers)
-            self.count[layer.index] += 1
+                self.skipping.add(index)
+            if index in self.round:  # summed in code space: the factors add, nothing is decoded
+                total = self.code_sum.setdefault(index, {})
+                for name, arr in ready.arrays.items():
+                    total[name] = total[name].add_(arr) if name in total else arr.float().clone()
+            else:
+                self._codec(ready).decode_add(ready, self.acc[index], alpha=1.0 / self.num_workers)
+            self.count[index] += 1
         self.times["decode"] += time.perf_counter() - start
-        if self.count[layer.index] == self.num_workers:
-            self._apply(layer, self.acc[layer.index], msg.step, skip=layer.index in self.skipping)
-            self.skipping.discard(layer.index)
-            self.acc[layer.index].zero_()
-            self.count[layer.index] = 0
-            self.layer_step[layer.index] += 1
+        if self.count[index] < self.num_workers:
+            return
+        self.count[index] = 0
+        if index in self.round and not self._close_round(layer, msg):
+            return
+        if index not in self.round:
+            self._apply(layer, self.acc[index], msg.step, skip=index in self.skipping)
+            self.acc[index].zero_()
+        self.skipping.discard(index)
+        self.layer_step[index] += 1
+        if index not in self.round:
             self._reply(layer, self.workers)
-            if all(self.layer_step[i] > msg.step for i in self.layer_step):
-                self.completed_step = msg.step
+        if all(self.layer_step[i] > msg.step for i in self.layer_step):
+            self.completed_step = msg.step
+
+    def _close_round(self, layer: Layer, msg: Message) -> bool:
+        """Reply to a complete round of a multi-round layer; True after its last round, when the
+        layer was updated with the gradient the replies stand for."""
+        index, round_ = layer.index, self.round[layer.index]
+        codec = self._codec(msg)
+        reply = codec.reduce(round_, self.code_sum.pop(index), self.num_workers)
+        self.code_replies.setdefault(index, {})[round_] = reply
+        step = self.layer_step[index] + 1  # the replies bring the workers' layer to this step
+        if round_ < self.rounds[index]:
+            self.round[index] += 1
+            self._deliver(layer, code_message(layer, round_, reply, codec, step, self.rank), self.workers)
+            return False
+        grad = codec.gradient(self.code_replies.pop(index))
+        what = f"step {msg.step}: the gradient sum of {layer.name!r} on server rank {self.rank}"
+        skip = skip_update(grad, what, self.cfg.on_nonfinite, index in self.skipping)
+        self._apply(layer, grad, msg.step, skip=skip)
+        self.round[index] = 1
+        self._deliver(layer, code_message(layer, round_, reply, codec, step, self.rank, skip=skip), self.workers)
+        return True
 
 
 class AsyncServer(ServerBase):

@@ -36,6 +36,7 @@ from ..comm.protocol import (
     control_message,
     copy_flat_into,
     encode_gradient,
+    layer_rounds,
     layer_tag,
     load_buffers_vector,
     tensor_message,
@@ -43,6 +44,7 @@ from ..comm.protocol import (
 from ..comm.transport import Handle, Patience
 from ..context import RunContext
 from ..feedback import NoFeedback
+from ..optim import learning_rate
 from .server import BUFFERS_LAYER, ServerBase
 
 
@@ -71,6 +73,12 @@ class Worker:
             for layer in self.layers
         ]
         self.buffers = [bytearray(b) for b in self.bounds]
+        # multi-round layers (PowerSGD): the round whose reply each open layer awaits, and the
+        # optimizer that applies their last reply here, as the server does to its copy
+        self.rounds = [layer_rounds(feedback.codec, layer) for layer in self.layers]
+        self.awaiting: dict[int, int] = {}
+        self.optimizer = ctx.make_optimizer() if max(self.rounds, default=1) > 1 else None
+        self._advancing = False
         self.pulls: dict[int, Handle | None] = {}  # None: the reply comes from the local server
         self.pull_step = 0
         self.sends: list[Handle] = []
@@ -104,7 +112,13 @@ class Worker:
         return worked
 
     def _idle(self):
+        if self.optimizer is not None:
+            return self._serve_and_advance
         return self.serve if self.local is not None else None
+
+    def _serve_and_advance(self) -> bool:
+        served = self.serve()
+        return self.advance_rounds() or served
 
     # ------------------------------------------------------------------ pull
     def post_pulls(self, step: int) -> None:
@@ -122,6 +136,47 @@ class Worker:
                     self.buffers[layer.index],
                 )
 
+    def _receive(self, index: int, block: bool) -> Message | None:
+        """The next message the layer's server sent this worker (None: not yet, when not blocking)."""
+        handle, layer = self.pulls[index], self.layers[index]
+        if handle is None:
+            with self.local.lock:
+                if block:
+                    self.local.serve_until(lambda: index in self.local.local_replies, patience=Patience())
+                return self.local.local_replies.pop(index, None)
+        if block:
+            handle.wait(self._idle())
+        elif not handle.test():
+            return None
+        self.stats.bytes_down += handle.count
+        return wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+
+    def advance_rounds(self, only: int | None = None) -> bool:
+        """Answer the servers' replies of open rounds with the next round's message; blocking for
+        layer ``only`` (the forward needs it), otherwise only what arrived. True if any did."""
+        if self._advancing:
+            return False
+        self._advancing, worked = True, False
+        try:
+            for index in [only] if only is not None else list(self.awaiting):
+                reply = self._receive(index, block=only is not None)
+                if reply is None:
+                    continue
+                worked, layer, round_ = True, self.layers[index], self.awaiting.pop(index)
+                self._check_reply(layer, reply, ("code",), round_)
+                msg = self.feedback.advance(layer.name, layer.shape, round_, reply.arrays)
+                msg.kind, msg.step, msg.layer, msg.sender = "grad", self.pull_step - 1, layer.name, self.rank
+                if round_ + 1 < self.rounds[index]:
+                    self.awaiting[index] = round_ + 1
+                if self.pulls[index] is not None:
+                    self.pulls[index] = self.transport.irecv(
+                        self.bounds[index], layer.owner, layer_tag(index), index, self.buffers[index]
+                    )
+                self._send(layer, msg)
+        finally:
+            self._advancing = False
+        return worked
+
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
             self.serve()
@@ -135,35 +190,36 @@ class Worker:
     def finish_pull(self, index: int) -> None:
         if index not in self.pulls:
             return
-        handle = self.pulls.pop(index)
         layer = self.layers[index]
         doing, self.doing = self.doing, f"step {self.pull_step}: waiting for {layer.name!r} from rank {layer.owner}"
         start = time.perf_counter()
-        if handle is None:
-            with self.local.lock:
-                self.local.serve_until(lambda: index in self.local.local_replies, patience=Patience())
-                msg = self.local.local_replies.pop(index)
-            self.stats.pull_wait += time.perf_counter() - start
-            start = time.perf_counter()
-        else:
-            handle.wait(self._idle())
-            self.stats.pull_wait += time.perf_counter() - start
-            self.stats.bytes_down += handle.count
-            start = time.perf_counter()
-            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+        while index in self.awaiting:  # earlier rounds first: the last reply needs them
+            self.advance_rounds(only=index)
+        msg = self._receive(index, block=True)
+        del self.pulls[index]
+        self.stats.pull_wait += time.perf_counter() - start
+        start = time.perf_counter()
         self.doing = doing
         self._apply_pull(layer, msg, start)
 
-    def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
+    def _check_reply(self, layer: Layer, msg: Message, kinds: tuple[str, ...], round_: int = 0) -> None:
         if (
-            msg.kind not in ("params", "delta")
+            msg.kind not in kinds
             or msg.layer != layer.name
             or msg.step != self.pull_step
             or msg.sender != layer.owner
+            or msg.meta.get("round", 0) != round_
         ):
             raise RuntimeError(
-                f"expected params of {layer.name!r} for step {self.pull_step} from rank {layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} from rank {msg.sender}"
+                f"expected {'/'.join(kinds)} of {layer.name!r} for step {self.pull_step} (round {round_}) from rank "
+                f"{layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} (round {msg.meta.get('round', 0)}) from rank {msg.sender}"
             )
+
+    def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
+        if msg.kind == "code":
+            self._apply_code(layer, msg, start)
+            return
+        self._check_reply(layer, msg, ("params", "delta"))
         if msg.codec not in (self.down_codec.name, "none"):
             raise RuntimeError(f"{layer.name!r} arrived encoded with {msg.codec!r}, expected {self.down_codec.name!r}")
         codec = self.down_codec if msg.codec == self.down_codec.name else self.exact_codec
@@ -176,6 +232,19 @@ class Worker:
         values = codec.decode(msg, device=self.device).view(-1)
         mid = time.perf_counter()
         copy_flat_into(self.params, layer.params, values, add=msg.kind == "delta")
+        self.stats.decode += mid - start
+        self.stats.apply += time.perf_counter() - mid
+
+    def _apply_code(self, layer: Layer, msg: Message, start: float) -> None:
+        """The last round's reply: the gradient every rank applies, with the same optimizer."""
+        self._check_reply(layer, msg, ("code",), self.rounds[layer.index])
+        applied = not msg.meta.get("skip")
+        grad = self.feedback.finish(layer.name, msg.arrays, applied)
+        mid = time.perf_counter()
+        if applied:
+            lr = learning_rate(self.cfg, self.pull_step - 1, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
+            with torch.no_grad():
+                self.optimizer.step(layer.name, self.params[layer.params[0]].detach().view(-1), grad, lr)
         self.stats.decode += mid - start
         self.stats.apply += time.perf_counter() - mid
 
@@ -202,19 +271,27 @@ class Worker:
         )
         self.stats.nonfinite += int(bool(msg.meta.get("skip")))
         self.sent.add(layer.index)
+        if self.rounds[layer.index] > 1:
+            self.awaiting[layer.index] = 1
+        self.stats.encode += time.perf_counter() - start
+        self._send(layer, msg)
+        self.serve()
+        if self.optimizer is not None:
+            self.advance_rounds()
+
+    def _send(self, layer: Layer, msg: Message) -> None:
+        """Send ``msg`` to ``layer``'s server: over MPI, or handed to this rank's own server."""
+        start = time.perf_counter()
         if self._is_local(layer.owner):
-            self.stats.encode += time.perf_counter() - start
-            serve_start = time.perf_counter()
             with self.local.lock:
                 self.local.on_local_grad(layer, msg)
-            self.stats.serve += time.perf_counter() - serve_start
+            self.stats.serve += time.perf_counter() - start
             return
         data = wire.dumps(msg)
         self.sends.append(self.transport.isend(data, layer.owner, layer_tag(layer.index)))
         self.stats.bytes_up += len(data)
         self.sends = self.transport.progress(self.sends)
         self.stats.encode += time.perf_counter() - start
-        self.serve()
 
     def push_missing(self) -> None:
         """Layers whose hook did not fire (model granularity, ``--push after``, unused parameters) are
@@ -251,6 +328,9 @@ class Worker:
         loss = self.backprop.run(images, labels, after_first_forward)
         self.backprop.finish(self.params)
         self.push_missing()
+        # every round but the last leaves within the step: the servers finish the step on their own
+        while self.awaiting:
+            self.advance_rounds(only=next(iter(self.awaiting)))
         self.backprop.end_step(self.stats.nonfinite > 0)
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: waiting for sends"
@@ -300,10 +380,13 @@ class Worker:
             "buffers": buffers_vector(self.model),
             "rng": torch.get_rng_state(),
             "loss_scale": self.backprop.scale.state_dict(),
+            **({"optim": self.optimizer.state_dict()} if self.optimizer is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state.get("optim", {}))
         load_buffers_vector(self.model, state["buffers"])
         torch.set_rng_state(state["rng"])
         if "loss_scale" in state:  # checkpoints written before --amp have none
