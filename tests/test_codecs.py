@@ -23,6 +23,8 @@ SPECS = [
     "sign",
     "svd:rank=2",
     "svd:rank=2,sample=1",
+    "powersgd:rank=2",
+    "powersgd:rank=1,ef=0,orth=qr",
 ]
 SHAPES = [(1,), (1001,), (7, 5), (16, 3, 3, 3), ()]
 
@@ -226,6 +228,7 @@ BUDGET_BITS = {  # raw payload bits per element for N elements, as docs/codecs.m
     "qsgd:levels=1,bucket=512": 1 + 1 + 32 / 512,
     "sign": 1 + 32 / N,
     "svd:rank=2": 32 * 2 * (256 + 256 + 1) / N,
+    "powersgd:rank=2": 32 * 2 * (256 + 256) / N,
 }
 HEADER_SLACK = 400  # msgpack header + per-array framing, in bytes
 
@@ -394,3 +397,80 @@ def test_shared_randomk_keeps_values_at_coordinates_every_worker_shares():
         a, b = (encode_gradient(feedback, layer, torch.randn(1000), 7, sender, sender, 0) for sender in (1, 2))
         assert (a.seed == b.seed) == same, spec
     assert make_codec("randomk:ratio=0.1,shared=1").feedback_safe and not make_codec("randomk:ratio=0.1").feedback_safe
+
+
+# ---------------------------------------------------------------- PowerSGD
+def test_powersgd_factors_what_torchs_hook_factors():
+    """The hook's rule: matrices only, and only when (n + m) R min_rate < n m."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    codec = make_codec("powersgd:rank=2")
+    for shape in [(64, 3072), (10, 64), (16, 3, 3, 3), (4, 4), (8, 3), (640, 64, 1, 1), (3, 100)]:
+        n, m = shape[0], math.prod(shape[1:])
+        assert codec.compresses(shape) == _should_compress(n, m, 2, 2)[0], shape
+    assert not codec.compresses((1000,)) and not codec.compresses(())
+    assert codec.rounds((64, 3072)) == 2 and codec.rounds((1000,)) == 1
+
+
+@pytest.mark.parametrize("orth", ["gs", "qr"])
+def test_powersgd_one_round_is_exact_on_low_rank_matrices(orth):
+    u, v = torch.randn(48, 2), torch.randn(2, 90)
+    codec = make_codec(f"powersgd:rank=2,orth={orth}")
+    msg = codec.encode(u @ v, seed=5)
+    p = msg.arrays["p"]
+    torch.testing.assert_close(p.t() @ p, torch.eye(2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(codec.decode(msg), u @ v, atol=1e-4, rtol=1e-4)
+
+
+def test_powersgd_round_messages_cost_r_times_n_plus_m_floats():
+    """Per step and factored layer a worker sends P (n x R) and Q (m x R): 4 R (n + m) bytes."""
+    from psgrad.feedback import make_feedback
+
+    memory = make_feedback("none", make_codec("powersgd:rank=2"))
+    grad = torch.randn(64, 32, 3, 3)
+    first = memory.encode("w", grad, seed=3)
+    assert first.meta == {"round": 1} and first.arrays["p"].shape == (64, 2)
+    p_hat = make_codec("powersgd:rank=2").reduce(1, {"p": first.arrays["p"] * 2}, 2)
+    second = memory.advance("w", grad.shape, 1, p_hat)
+    assert second.meta == {"round": 2} and second.arrays["q"].shape == (288, 2)
+    for msg, floats in ((first, 64 * 2), (second, 288 * 2)):
+        assert 4 * floats <= len(wire.dumps(msg)) <= 4 * floats + HEADER_SLACK
+
+
+def test_powersgd_error_memory_keeps_what_the_approximation_missed():
+    """e = M - P_hat Q^T after a step, and the next step's M is g + e (one worker: Q = M^T P_hat)."""
+    from psgrad.feedback import make_feedback
+
+    codec = make_codec("powersgd:rank=1")
+    memory = make_feedback("none", codec)
+    grad = torch.randn(20, 30)
+    p = memory.encode("w", grad, seed=1).arrays["p"]
+    reply1 = codec.reduce(1, {"p": p}, 1)
+    q = memory.advance("w", grad.shape, 1, reply1).arrays["q"]
+    reply2 = codec.reduce(2, {"q": q}, 1)
+    applied = memory.finish("w", reply2)
+    torch.testing.assert_close(applied, (reply1["p"] @ q.t()).reshape(-1))
+    torch.testing.assert_close(memory.states["w"]["error"], grad.reshape(-1) - applied)
+    torch.testing.assert_close(memory.states["w"]["q"], q)
+    state = memory.state_dict()
+    assert set(state) == {"round/w/error", "round/w/q"}  # nothing of an open round is kept
+
+
+@pytest.mark.parametrize(
+    "meta,arrays,problem",
+    [
+        ({"round": 3}, {"q": torch.zeros(288, 2)}, "round 3"),
+        ({"round": 1}, {"q": torch.zeros(288, 2)}, "arrays"),
+        ({"round": 2}, {"q": torch.zeros(287, 2)}, "expected"),
+        ({"round": 1}, {"p": torch.full((64, 2), float("nan"))}, "NaN"),
+    ],
+)
+def test_powersgd_refuses_malformed_round_messages(meta, arrays, problem):
+    from psgrad.codecs import Message
+
+    codec = make_codec("powersgd:rank=2")
+    msg = Message("powersgd", dict(codec.params), (64, 32, 3, 3), "float32", arrays, meta=meta)
+    with pytest.raises(ValueError, match=problem):
+        codec.check(msg)
+    with pytest.raises(wire.WireError):
+        wire.loads(wire.dumps(msg))

@@ -33,6 +33,11 @@ def _ok(proc, marker):
         ["--sign-one-step", "--no-bucket-vectors"],
         ["--shared-randomk"],
         ["--shared-randomk", "--alltoall"],
+        ["--powersgd"],
+        ["--powersgd", "--colocated"],
+        ["--powersgd", "--alltoall"],
+        ["--powersgd-full"],
+        ["--powersgd-full", "--alltoall"],
     ],
     ids=[
         "sgd",
@@ -50,6 +55,11 @@ def _ok(proc, marker):
         "vectors-coded",
         "shared-randomk",
         "shared-randomk-alltoall",
+        "powersgd",
+        "powersgd-colocated",
+        "powersgd-alltoall",
+        "powersgd-full-rank",
+        "powersgd-full-rank-alltoall",
     ],
 )
 def test_none_codec_through_server_equals_averaged_sgd(flags):
@@ -78,6 +88,7 @@ def test_every_codec_trains_with_and_without_error_feedback():
     configs += [{"codec": "topk:ratio=0.01", "feedback": "ef", "down_codec": "topk:ratio=0.01"}]
     shared = "randomk:ratio=0.25,shared=1"  # the down-link keeps the coordinates the workers sent
     configs += [{"codec": shared, "feedback": "ef", "down_codec": shared}]
+    configs += [{"codec": "powersgd:rank=2"}, {"codec": "powersgd:rank=1", "servers": 2, "down_codec": "sign"}]
     proc = run_script("converge.py", *[json.dumps(c) for c in configs], timeout=400)
     _ok(proc, "CONVERGE OK")
 
@@ -336,3 +347,23 @@ def test_checkpoint_from_another_layer_plan_is_refused_clearly():
     server(bucketed).load_state_dict(state)  # the same plan loads
     with pytest.raises(ValueError, match="does not fit this run's layer plan"):
         server(plain).load_state_dict(state)
+
+
+@pytest.mark.parametrize("topology,ranks", [("ps", 3), ("alltoall", 2)])
+def test_powersgd_bytes_per_step_are_its_factors_plus_the_exact_layers(tmp_path, topology, ranks):
+    """Every worker sends, per step, P (n x R) and Q (m x R) of each factored layer and the rest
+    exact, and gets as much back: 4 R (n + m) bytes a factored layer, within a header a message."""
+    py = __import__("sys").executable
+    args = ["--model", "mlp", "--steps", "4", "--batch-size", "8", "--synthetic-size", "256", "--no-progress"]
+    args += ["--codec", "powersgd:rank=2", "--topology", topology, "--log-dir", str(tmp_path)]
+    proc = run_mpi([py, "-m", "psgrad", "train", *args], n=ranks, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # mlp: 64 x 3072 and 10 x 64 are factored at rank 2; the 74 biases travel exact in one bucket
+    payload = 4 * 2 * (64 + 3072) + 4 * 2 * (10 + 64) + 4 * 74
+    messages = 2 + 2 + 1
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    for line in lines[2:]:  # step 0 also pulls the starting parameters
+        row = dict(zip(lines[0].split(","), line.split(","), strict=False))
+        for key in ("bytes_up", "bytes_down"):
+            # alltoall: each rank's messages reach the other rank once, and it gets theirs
+            assert 2 * payload <= int(row[key]) <= 2 * (payload + messages * 400), (key, row[key], payload)

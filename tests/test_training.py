@@ -165,11 +165,32 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="--tensorboard writes into --log-dir"):
         RunConfig(tensorboard=True).validate()
     RunConfig(push="after").validate()
+    with pytest.raises(ValueError, match="powersgd keeps its own error feedback"):
+        RunConfig(codec="powersgd", feedback="ef").validate()
+    with pytest.raises(ValueError, match="powersgd sums every worker's factors .* --mode sync"):
+        RunConfig(codec="powersgd", mode="async").validate()
+    with pytest.raises(ValueError, match="powersgd factors each layer's matrix"):
+        RunConfig(codec="powersgd", granularity="model").validate()
+    with pytest.raises(ValueError, match="reply is its own down-link"):
+        RunConfig(down_codec="powersgd").validate()
 
 
-@pytest.mark.parametrize("topology,oks", [("ps", 2), ("colocated", 3), ("alltoall", 3)])
-def test_resume_equals_uninterrupted(tmp_path, topology, oks):
-    proc = run_script("resume.py", str(tmp_path), f"topology={topology}", timeout=300)
+POWERSGD = ("codec=powersgd:rank=2", "feedback=none")  # its error memory and warm-start Q must resume
+
+
+@pytest.mark.parametrize(
+    "topology,oks,extra",
+    [
+        ("ps", 2, ()),
+        ("colocated", 3, ()),
+        ("alltoall", 3, ()),
+        ("ps", 2, POWERSGD),
+        ("colocated", 3, POWERSGD),
+        ("alltoall", 3, POWERSGD),
+    ],
+)
+def test_resume_equals_uninterrupted(tmp_path, topology, oks, extra):
+    proc = run_script("resume.py", str(tmp_path), f"topology={topology}", *extra, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == oks, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("MODEL OK") == 1, proc.stdout
     for step in (4, 8):

@@ -187,7 +187,7 @@ class PowerSGDCodec(Codec):
         did not apply it (``applied`` False: a non-finite step skipped), the memory keeps all of M."""
         grad = self.gradient({FIRST_ROUND: {"p": state.pop("p")}, LAST_ROUND: reply})
         memory = state.pop("m")
-        if self.params["ef"] and applied:
+        if self.params["ef"] and applied and bool(torch.isfinite(grad.sum())):
             memory.sub_(grad)
         state["q"] = reply["q"].clone()
         return grad

@@ -375,6 +375,9 @@ class Worker:
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
     def state_dict(self) -> dict:
+        if self.optimizer is not None:
+            # the last round's replies update the multi-round memory (PowerSGD's error and Q)
+            self.finish_pulls()
         return {
             "feedback": self.feedback.state_dict(),
             "buffers": buffers_vector(self.model),

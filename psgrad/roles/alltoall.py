@@ -30,6 +30,7 @@ from ..comm.protocol import (
     buffers_vector,
     copy_flat_into,
     encode_gradient,
+    layer_rounds,
     load_buffers_vector,
     skip_update,
     upload_bound,
@@ -44,6 +45,7 @@ class _Exchange:
     """One layer's two collectives: its sizes, then its bytes."""
 
     index: int
+    round: int
     sizes_handle: Handle
     sizes: np.ndarray
     bytes_handle: Handle | None = None
@@ -71,6 +73,12 @@ class PeerRole(Role):
         self.step_index = 0
         self.gate = GradientGate(self.layers)
         self.bounds = [upload_bound(self.feedback, layer) for layer in self.layers]
+        self.rounds = [layer_rounds(self.feedback.codec, layer) for layer in self.layers]
+        # the order every rank starts the exchanges in: each layer's first round as backward
+        # produces it, then the later rounds of multi-round layers (PowerSGD) in the same order
+        self.queue = [(i, 1) for i in self.order] + [
+            (i, r) for r in range(2, max(self.rounds, default=1) + 1) for i in self.order if self.rounds[i] >= r
+        ]
         self.first = self.last = time.perf_counter()
         self._hooks = []
         if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
@@ -95,16 +103,19 @@ class PeerRole(Role):
             self.feedback, layer, grad, self.step_index, self.rank, self.rank, self.cfg.seed, self.cfg.on_nonfinite
         )
         self.stats.nonfinite += int(bool(msg.meta.get("skip")))
-        self.ready[layer.index] = wire.dumps(msg)
+        self._ready(layer.index, 1, msg)
         self.stats.encode += time.perf_counter() - start
-        self.stats.bytes_up += len(self.ready[layer.index]) * (self.size - 1)
+
+    def _ready(self, index: int, round_: int, msg) -> None:
+        self.ready[(index, round_)] = wire.dumps(msg)
+        self.stats.bytes_up += len(self.ready[(index, round_)]) * (self.size - 1)
 
     def _pump(self, block: bool = False) -> None:
         """Start the collectives of ready layers in order and finish the ones that completed."""
-        while self.next < len(self.order) and self.order[self.next] in self.ready:
-            index = self.order[self.next]
-            handle, sizes = self.sizes_comm.iallgather_sizes(len(self.ready[index]))
-            self.inflight.append(_Exchange(index, handle, sizes))
+        while self.next < len(self.queue) and self.queue[self.next] in self.ready:
+            index, round_ = self.queue[self.next]
+            handle, sizes = self.sizes_comm.iallgather_sizes(len(self.ready[(index, round_)]))
+            self.inflight.append(_Exchange(index, round_, handle, sizes))
             self.next += 1
         for entry in self.inflight:
             if entry.bytes_handle is None:
@@ -112,7 +123,7 @@ class PeerRole(Role):
                     break  # bytes collectives must start in layer order on every rank
                 self._check_sizes(self.layers[entry.index], entry.sizes)
                 entry.bytes_handle, entry.data, entry.offsets = self.bytes_comm.iallgatherv_bytes(
-                    self.ready[entry.index], entry.sizes
+                    self.ready[(entry.index, entry.round)], entry.sizes
                 )
             if block:
                 entry.bytes_handle.wait()
@@ -132,26 +143,55 @@ class PeerRole(Role):
         start = time.perf_counter()
         view = memoryview(entry.data)
         acc = self.acc[layer.index]
+        multi = self.rounds[layer.index] > 1
+        code_sum: dict[str, torch.Tensor] = {}
         for peer in range(self.size):
             begin, size = int(entry.offsets[peer]), int(entry.sizes[peer])
             try:
                 msg = wire.loads(view[begin : begin + size], max_bytes=self.bounds[layer.index], shape=layer.shape)
             except wire.WireError as err:
                 raise RuntimeError(f"alltoall: malformed message from rank {peer}: {err}") from None
-            if msg.kind != "grad" or msg.layer != layer.name or msg.step != self.step_index or msg.sender != peer:
+            round_ = entry.round if multi else 0
+            if (
+                msg.kind != "grad"
+                or msg.layer != layer.name
+                or msg.step != self.step_index
+                or msg.sender != peer
+                or msg.meta.get("round", 0) != round_
+            ):
                 raise RuntimeError(
-                    f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step}; expected {layer.name!r} step {self.step_index}"
+                    f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step} round {msg.meta.get('round', 0)}; "
+                    f"expected {layer.name!r} step {self.step_index} round {round_}"
                 )
-            make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
             if msg.meta.get("skip"):
                 self.skipping.add(layer.index)
+            if multi:  # summed in code space, in rank order
+                for name, arr in msg.arrays.items():
+                    code_sum[name] = code_sum[name].add_(arr) if name in code_sum else arr.float().clone()
+            else:
+                make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
+        if multi:
+            self._close_round(layer, entry.round, code_sum)
         self.stats.decode += time.perf_counter() - start
-        self.stats.bytes_down += int(entry.sizes.sum()) - len(self.ready[layer.index])
+        self.stats.bytes_down += int(entry.sizes.sum()) - len(self.ready[(layer.index, entry.round)])
+
+    def _close_round(self, layer: Layer, round_: int, code_sum: dict[str, torch.Tensor]) -> None:
+        """Every rank reduces the round as a server would, then answers it itself: the next
+        round's message, or after the last round the gradient (in the layer's accumulator)."""
+        codec = self.feedback.codec
+        reply = codec.reduce(round_, code_sum, self.size)
+        if round_ < self.rounds[layer.index]:
+            msg = self.feedback.advance(layer.name, layer.shape, round_, reply)
+            msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step_index, layer.name, self.rank
+            self._ready(layer.index, round_ + 1, msg)
+            return
+        grad = self.feedback.finish(layer.name, reply, applied=layer.index not in self.skipping)
+        self.acc[layer.index].copy_(grad)
 
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         self.step_index, self.stats = step, StepStats(step=step)
         self.gate.reset()
-        self.ready: dict[int, bytes] = {}
+        self.ready: dict[tuple[int, int], bytes] = {}  # (layer index, round) -> the message
         self.inflight: list[_Exchange] = []
         self.next = 0
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.layers}
@@ -169,12 +209,12 @@ class PeerRole(Role):
         loss = self.backprop.run(images, labels, after_first_forward)
         self.backprop.finish(self.params_by_name)
         for layer in self.layers:
-            if layer.index not in self.ready:
+            if (layer.index, 1) not in self.ready:
                 self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
         self.backprop.end_step(self.stats.nonfinite > 0)
         t_bwd = time.perf_counter()
         self.doing = f"step {step}: exchanging gradients"
-        while self.next < len(self.order) or self.inflight:
+        while self.next < len(self.queue) or self.inflight:
             self._pump(block=True)
         t_wait = time.perf_counter()
         lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)

@@ -5,6 +5,10 @@
 ``--shared-randomk``: random-k with coordinates shared by the workers (``shared=1``) equals SGD
 on the workers' averaged gradient kept at those coordinates (layers that travel exactly: whole).
 
+``--powersgd``: PowerSGD rank 2 equals the paper's algorithm written out below (per-worker
+gradients, error feedback, warm start, Gram-Schmidt as QR with a positive diagonal);
+``--powersgd-full``: at full rank (every matrix factored exactly) it equals plain averaged SGD.
+
 ``--sign-one-step [--no-bucket-vectors]``: one step with the lossy sign codec both ways. The 1-D
 parameters travel exactly in their own bucket, so they must equal the reference while every
 weight matrix must differ; without the bucket the biases are sign-coded and differ too.
@@ -49,6 +53,11 @@ if shared_randomk:
     codec = "randomk:ratio=0.3,shared=1"
 if sign_one_step:
     codec, down = "sign", "sign"
+powersgd = "--powersgd" in sys.argv
+if powersgd:
+    codec = "powersgd:rank=2"
+if "--powersgd-full" in sys.argv:
+    codec = "powersgd:rank=64,min_rate=0"
 cfg = RunConfig(
     **kw,
     nesterov=nesterov,
@@ -72,11 +81,45 @@ if world_rank() == 0:
     loaders = [ShardLoader(data, "synthetic", w, workers, cfg.batch_size, cfg.seed) for w in range(workers)]
     layers = plan_layers([(n, tuple(p.shape)) for n, p in model.named_parameters()], granularity, 1, bucket)
     params = dict(model.named_parameters())
+    error: dict[str, list] = {}  # PowerSGD: each worker's error memory, and the shared Q
+    q_of: dict[str, torch.Tensor] = {}
+
+    def orthonormal(a: torch.Tensor) -> torch.Tensor:
+        q, r = torch.linalg.qr(a)
+        return q * torch.sign(torch.diagonal(r))  # Gram-Schmidt's signs: R's diagonal positive
+
     for step in range(steps):
         opt.zero_grad()
+        grads = []  # per worker, for PowerSGD
         for loader in loaders:
             x, y = loader.batch(step)
-            (torch.nn.functional.cross_entropy(model(x), y) / workers).backward()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if powersgd:
+                opt.zero_grad()
+                loss.backward()
+                grads.append({n: p.grad.clone() for n, p in params.items()})
+            else:
+                (loss / workers).backward()
+        for layer in layers if powersgd else []:
+            if not layer.compress:
+                for name in layer.params:
+                    params[name].grad = sum(g[name] for g in grads) / workers
+                continue
+            (name,) = layer.params
+            shape = params[name].shape
+            n = shape[0]
+            ms = [g[name].reshape(n, -1) + error.get(name, [0] * workers)[w] for w, g in enumerate(grads)]
+            if name not in q_of:
+                seed = message_seed(cfg.seed, step, layer.index, SHARED_STREAM)
+                gen = torch.Generator().manual_seed(seed)
+                q_of[name] = torch.randn(ms[0].shape[1], 2, generator=gen)
+            q = orthonormal(q_of[name])
+            p_hat = orthonormal(sum(m @ q for m in ms))
+            q_mean = sum(m.t() @ p_hat for m in ms) / workers
+            approx = p_hat @ q_mean.t()
+            error[name] = [m - approx for m in ms]
+            q_of[name] = q_mean
+            params[name].grad = approx.view(shape)
         for layer in layers if shared_randomk else []:
             if not layer.compress:
                 continue

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from psgrad.config import RunConfig
 from psgrad.train import run
 
-base, extra = sys.argv[1], dict(item.split("=") for item in sys.argv[2:])
+base, extra = sys.argv[1], dict(item.split("=", 1) for item in sys.argv[2:])
 kw = dict(
     model="resnet20",
     batch_size=8,
@@ -25,8 +25,8 @@ kw = dict(
     feedback="ef",
     eval_every=0,
     steps=8,
-    **extra,
 )
+kw.update(extra)
 full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every=4))
 MPI.COMM_WORLD.Barrier()
 if full.rank == 0:
