@@ -162,6 +162,7 @@ class Worker:
                 reply = self._receive(index, block=only is not None)
                 if reply is None:
                     continue
+                start = time.perf_counter()
                 worked, layer, round_ = True, self.layers[index], self.awaiting.pop(index)
                 self._check_reply(layer, reply, ("code",), round_)
                 msg = self.feedback.advance(layer.name, layer.shape, round_, reply.arrays)
@@ -172,6 +173,7 @@ class Worker:
                     self.pulls[index] = self.transport.irecv(
                         self.bounds[index], layer.owner, layer_tag(index), index, self.buffers[index]
                     )
+                self.stats.encode += time.perf_counter() - start
                 self._send(layer, msg)
         finally:
             self._advancing = False
@@ -328,11 +330,14 @@ class Worker:
         loss = self.backprop.run(images, labels, after_first_forward)
         self.backprop.finish(self.params)
         self.push_missing()
+        self.backprop.end_step(self.stats.nonfinite > 0)
+        t_bwd = time.perf_counter()
+        s = self.stats
+        encode_in_backward, serve_in_backward = s.encode, s.serve
+        self.doing = f"step {step}: exchanging later rounds"
         # every round but the last leaves within the step: the servers finish the step on their own
         while self.awaiting:
             self.advance_rounds(only=next(iter(self.awaiting)))
-        self.backprop.end_step(self.stats.nonfinite > 0)
-        t_bwd = time.perf_counter()
         self.doing = f"step {step}: waiting for sends"
         if self.cfg.push == "after":
             # the sends drain while the next forward waits for its first layers
@@ -341,14 +346,12 @@ class Worker:
             self.transport.wait_all(self.sends, self._idle())
             self.sends = []
         end = time.perf_counter()
-        s = self.stats
         s.loss = loss
         s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
-        s.backward = (t_bwd - t_fwd) - s.encode
-        s.push_wait = end - t_bwd
+        # coding and serving are counted inside the phases they interrupted: take them out
+        s.backward = max(0.0, (t_bwd - t_fwd) - encode_in_backward - serve_in_backward)
+        s.push_wait = max(0.0, (end - t_bwd) - (s.encode - encode_in_backward) - (s.serve - serve_in_backward))
         s.step_time = end - start
-        # serving time is counted inside the phases it interrupted: take it out of them
-        s.backward = max(0.0, s.backward - s.serve)
         return s
 
     def _control(self, msg: Message, dest: int) -> None:
