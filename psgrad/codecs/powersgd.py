@@ -17,14 +17,19 @@ from .base import Codec, Message, register
 FIRST_ROUND, LAST_ROUND = 1, 2
 
 
-def orthonormalize(matrix: torch.Tensor, method: str = "gs") -> torch.Tensor:
+def orthonormalize(matrix: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """Make the columns of ``matrix`` (rows x R) orthonormal, in place; return it.
 
-    ``gs`` (Gram-Schmidt, the hook's choice for R <= 2):
+    ``gs`` (Gram-Schmidt, torch's hook's choice for R <= 2 on a GPU):
     1. for each column i: divide it by its norm (a zero column stays zero);
     2. subtract its projection from every later column.
-    ``qr``: the Q factor of torch.linalg.qr.
+    ``qr``: the Q factor of torch.linalg.qr (LAPACK's Householder QR on the CPU).
+    ``auto``: qr on the CPU, where it is faster at every rank >= 2 (1024 x 2: 7 against 20 us;
+    1024 x 8: 24 against 121 us; one thread), else the hook's rule. The two differ only in the
+    signs of the columns, which cancel in PowerSGD's P Q^T.
     """
+    if method == "auto":
+        method = "qr" if matrix.device.type == "cpu" or matrix.shape[1] > 2 else "gs"
     if method == "qr":
         q, _ = torch.linalg.qr(matrix)
         return matrix.copy_(q)
@@ -35,6 +40,25 @@ def orthonormalize(matrix: torch.Tensor, method: str = "gs") -> torch.Tensor:
             rest = matrix[:, i + 1 :]
             rest.sub_(col * (col.t() @ rest))
     return matrix
+
+
+def times(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``matrix @ factor`` for a thin ``factor`` (cols x R), contiguous.
+
+    One matrix-vector product per column: this CPU build's GEMM is 5x slower on a 1024 x 1024
+    matrix times 2 columns (0.83 ms against 0.16 ms, one thread), and the transposed product
+    below 30x; both are memory-bound, one pass over the matrix per column."""
+    out = torch.empty(factor.shape[1], matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    for i in range(factor.shape[1]):
+        torch.mv(matrix, factor[:, i], out=out[i])
+    return out.t().contiguous()
+
+
+def times_transposed(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``matrix.T @ factor`` for a thin ``factor`` (rows x R), contiguous: computed as
+    (factor.T @ matrix).T, which reads the matrix row by row (0.12 ms against 4.0 ms for
+    ``matrix.t() @ factor`` on 1024 x 1024, R = 2)."""
+    return (factor.t() @ matrix).t().contiguous()
 
 
 @register
@@ -73,8 +97,7 @@ class PowerSGDCodec(Codec):
 
     @property
     def method(self) -> str:
-        orth = str(self.params["orth"])
-        return ("gs" if self.rank <= 2 else "qr") if orth == "auto" else orth
+        return str(self.params["orth"])
 
     @property
     def shares_randomness(self) -> bool:
@@ -115,8 +138,8 @@ class PowerSGDCodec(Codec):
         if not self.compresses(shape):
             return {"values": flat.clone()}
         matrix = flat.view(self.matrix_shape(shape))
-        p_hat = orthonormalize(matrix @ self.initial_q(shape, seed).to(flat.device), self.method)
-        return {"p": p_hat, "q": matrix.t() @ p_hat}
+        p_hat = orthonormalize(times(matrix, self.initial_q(shape, seed).to(flat.device)), self.method)
+        return {"p": p_hat, "q": times_transposed(matrix, p_hat)}
 
     def _decode(self, msg: Message, device):
         if "values" in msg.arrays:
@@ -171,14 +194,14 @@ class PowerSGDCodec(Codec):
             state["m"] = flat.clone()
         q = state.get("q")
         state["q"] = self.initial_q(shape, seed) if q is None else orthonormalize(q, self.method)
-        return {"p": state["m"].view(self.matrix_shape(shape)) @ state["q"]}
+        return {"p": times(state["m"].view(self.matrix_shape(shape)), state["q"])}
 
     def next_round(
         self, state: dict[str, torch.Tensor], shape: tuple[int, ...], reply: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Step 3 above: the reply of round 1 (P_hat) gives round 2's message."""
         state["p"] = reply["p"].clone()  # the reply may live in a receive buffer that is reused
-        return {"q": state["m"].view(self.matrix_shape(shape)).t() @ reply["p"]}
+        return {"q": times_transposed(state["m"].view(self.matrix_shape(shape)), state["p"])}
 
     def finish(
         self, state: dict[str, torch.Tensor], reply: dict[str, torch.Tensor], applied: bool = True
