@@ -182,9 +182,12 @@ class RoundMemory(NoFeedback):
         arrays = self.codec.next_round(self.states[layer], shape, reply)
         return self._message(shape, arrays, round_ + 1)
 
-    def finish(self, layer: str, reply: dict[str, torch.Tensor], applied: bool = True) -> torch.Tensor:
-        """The flat gradient of the layer's last reply (``applied`` False: the server skipped it)."""
-        return self.codec.finish(self.states[layer], reply, applied)
+    def finish(
+        self, layer: str, reply: dict[str, torch.Tensor], applied: bool = True, gradient: bool = True
+    ) -> torch.Tensor | None:
+        """The flat gradient of the layer's last reply (``applied`` False: the server skipped it;
+        ``gradient`` False: only the memory is updated)."""
+        return self.codec.finish(self.states[layer], reply, applied, gradient)
 
     def _message(self, shape: tuple[int, ...], arrays: dict[str, torch.Tensor], round_: int, seed: int = 0) -> Message:
         meta = {"round": round_}

@@ -258,8 +258,9 @@ def test_job_where_every_rank_waits_is_ended(topology):
         ("none", []),
         ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),
         ("sign", ["feedback=ef", "down_codec=sign", "lr=0.005", "push=after"]),
+        ("powersgd:rank=2", ["down_codec=sign"]),
     ],
-    ids=["none", "qsgd-topk-down", "sign-ef-push-after"],
+    ids=["none", "qsgd-topk-down", "sign-ef-push-after", "powersgd"],
 )
 def test_colocated_equals_separate_servers(tmp_path, codec, extra):
     """3 colocated ranks == 2 server ranks + 3 worker ranks, bit for bit: the same seeds (by worker

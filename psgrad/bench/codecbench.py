@@ -41,6 +41,7 @@ DEFAULT_SPECS = (
     "qsgd:levels=4",
     "sign",
     "svd:rank=2",
+    "powersgd:rank=2",
 )
 
 

@@ -327,10 +327,12 @@ def _child(job_path: str) -> None:
     m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
-    if job["item"].split()[0] in BASELINES:
-        from ..comm.transport import finalize_and_exit
+    from ..comm.transport import finalize_and_exit
 
-        finalize_and_exit(0)
+    # every rank waits for the others before leaving: on a shaped run a rank's network namespace
+    # goes with it, and a rank still finishing (rank 0's final evaluation of WRN-16-4 takes
+    # seconds) then blocks in connect() to the gone address while MPI says goodbye
+    finalize_and_exit(0)
 
 
 # ---------------------------------------------------------------------- the table

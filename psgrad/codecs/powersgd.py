@@ -204,13 +204,19 @@ class PowerSGDCodec(Codec):
         return {"q": times_transposed(state["m"].view(self.matrix_shape(shape)), state["p"])}
 
     def finish(
-        self, state: dict[str, torch.Tensor], reply: dict[str, torch.Tensor], applied: bool = True
-    ) -> torch.Tensor:
-        """Step 5 above: the gradient to apply; the error memory and Q are updated. When the server
-        did not apply it (``applied`` False: a non-finite step skipped), the memory keeps all of M."""
-        grad = self.gradient({FIRST_ROUND: {"p": state.pop("p")}, LAST_ROUND: reply})
+        self,
+        state: dict[str, torch.Tensor],
+        reply: dict[str, torch.Tensor],
+        applied: bool = True,
+        gradient: bool = True,
+    ) -> torch.Tensor | None:
+        """Step 5 above: the error memory and Q are updated, and the gradient to apply returned
+        (``gradient`` False: not formed, when the caller takes the update from elsewhere). When the
+        server did not apply it (``applied`` False: a non-finite step skipped), the memory keeps
+        all of M."""
+        p_hat, q = state.pop("p"), reply["q"]
         memory = state.pop("m")
-        if self.params["ef"] and applied and bool(torch.isfinite(grad.sum())):
-            memory.sub_(grad)
-        state["q"] = reply["q"].clone()
-        return grad
+        if self.params["ef"] and applied and bool(torch.isfinite(p_hat.sum() + q.sum())):
+            memory.view(p_hat.shape[0], -1).addmm_(p_hat, q.t(), alpha=-1.0)  # no n x m temporary
+        state["q"] = q.clone()
+        return self.gradient({FIRST_ROUND: {"p": p_hat}, LAST_ROUND: reply}) if gradient else None

@@ -240,13 +240,18 @@ class Worker:
     def _apply_code(self, layer: Layer, msg: Message, start: float) -> None:
         """The last round's reply: the gradient every rank applies, with the same optimizer."""
         self._check_reply(layer, msg, ("code",), self.rounds[layer.index])
-        applied = not msg.meta.get("skip")
-        grad = self.feedback.finish(layer.name, msg.arrays, applied)
+        applied, local = not msg.meta.get("skip"), self._is_local(layer.owner)
+        grad = self.feedback.finish(layer.name, msg.arrays, applied, gradient=not local)
         mid = time.perf_counter()
         if applied:
-            lr = learning_rate(self.cfg, self.pull_step - 1, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
+            param = self.params[layer.params[0]].detach().view(-1)
             with torch.no_grad():
-                self.optimizer.step(layer.name, self.params[layer.params[0]].detach().view(-1), grad, lr)
+                if local:  # this rank's server part applied the same update to its copy: take its bits
+                    param.copy_(self.local.values[layer.index])
+                else:
+                    step = self.pull_step - 1
+                    lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
+                    self.optimizer.step(layer.name, param, grad, lr)
         self.stats.decode += mid - start
         self.stats.apply += time.perf_counter() - mid
 
@@ -278,7 +283,7 @@ class Worker:
         self.stats.encode += time.perf_counter() - start
         self._send(layer, msg)
         self.serve()
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.cfg.push == "backward":  # after: the rounds come next anyway
             self.advance_rounds()
 
     def _send(self, layer: Layer, msg: Message) -> None:
