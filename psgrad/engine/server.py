@@ -16,6 +16,10 @@ Sync mode (``SyncServer``), per layer l owned by this rank:
    is not compressed (the bucket of 1-D parameters) always goes back as its value.
 4. At start every worker gets the shadow exactly (``params``, uncompressed): fresh or resumed,
    workers and shadow agree from the first step on.
+5. A codec of several rounds (PowerSGD) sums each round's messages in code space, in worker
+   order, and replies to every worker with ``codec.reduce`` of the sum (``code``); after the last
+   round the layer is updated with ``codec.gradient`` of the replies, and the last reply is its
+   down-link (no shadow, no parameters: the workers apply the same gradient).
 Async mode (``AsyncServer``): each worker's gradient is applied alone (weight 1/W) the moment it
 arrives; when a worker's layers for its step are all in, it gets the current parameters back —
 unless it is more than ``staleness`` steps ahead of the slowest active worker, in which case the

@@ -8,6 +8,12 @@ Per step (docs/architecture.md has the picture):
    ``isend``s the bytes to the layer's server while autograd carries on with earlier layers;
 4. wait for the sends, report the step's timings and bytes to the metrics rank.
 
+A codec of several rounds (PowerSGD) adds to step 3: each server reply to round r is answered
+with round r + 1 as soon as it arrives (in hooks and waits), and before step 4 the worker
+finishes every round but the last, so the servers complete the step without it. The last reply
+is the gradient everybody applies: the worker applies it with the run's optimizer before the
+layer's next forward (a colocated rank copies its own shard from its server part instead).
+
 With ``--push after`` step 3 has no hooks: after backward every layer is coded and sent in
 forward order (first layer first), and step 4 does not wait — the sends drain while the next
 forward's pre-hooks wait for the first replies.
