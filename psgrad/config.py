@@ -62,6 +62,8 @@ class RunConfig:
     mode: str = "sync"
     staleness: int = 0
     topology: str = "ps"
+    consensus_step: float = 0.5  # ring: gamma of CHOCO-SGD's consensus step
+    consensus_every: int = 10  # ring: log the consensus distance every N steps (0: never)
     device: str = "cpu"
     threads: int = 1
     seed: int = 0
@@ -114,10 +116,22 @@ class RunConfig:
             not make_codec(self.down_codec).multi_round,
             f"--down-codec {self.down_codec}: a multi-round codec's reply is its own down-link; use it as --codec",
         )
+        if LAYOUTS.get(self.topology) == "gossip":
+            need(0 < self.consensus_step <= 1, f"--consensus-step must be in (0, 1], got {self.consensus_step}")
+            need(
+                self.feedback == "none" and self.down_codec == "none",
+                "--topology ring keeps public copies of the models (CHOCO-SGD), which already carry what the codec "
+                "dropped into later steps: use --feedback none and no --down-codec (there is no down-link)",
+            )
+            need(
+                not make_codec(self.codec).multi_round,
+                f"--topology ring sends one message per layer and step: {self.codec} needs a server's rounds",
+            )
+        need(self.consensus_every >= 0, f"--consensus-every must be >= 0, got {self.consensus_every}")
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")
         need(self.push in ("backward", "after"), f"--push must be backward or after, got {self.push!r}")
         need(
-            self.push == "backward" or LAYOUTS.get(self.topology) != "peers",
+            self.push == "backward" or LAYOUTS.get(self.topology) in ("separate", "colocated"),
             f"--push after needs servers (--topology ps or colocated): {self.topology} exchanges every layer before any update",
         )
         need(
@@ -176,7 +190,7 @@ class RunConfig:
             f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
         )
         need(
-            not (self.mode == "async" and LAYOUTS.get(self.topology) == "peers"),
+            not (self.mode == "async" and LAYOUTS.get(self.topology) in ("peers", "gossip")),
             "--mode async needs servers (--topology ps or colocated)",
         )
         need(

@@ -12,7 +12,7 @@ from .comm.protocol import TIME_KEYS
 
 METRIC_COLUMNS = [
     "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr", *TIME_KEYS, "step_time",
-    "server_decode", "server_apply", "server_idle", "server_cpu", "nonfinite", "wall",
+    "server_decode", "server_apply", "server_idle", "server_cpu", "nonfinite", "consensus", "wall",
 ]  # fmt: skip
 EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset", "eval_seconds", "paused_seconds"]
 

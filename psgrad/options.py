@@ -180,7 +180,22 @@ RUN_OPTIONS = [
         "topology",
         click.Choice(list(TOPOLOGIES)),
         "ps: server ranks and worker ranks; colocated: every rank works and serves a shard of the layers "
-        "(no extra server rank); alltoall: no server, every rank exchanges with every other.",
+        "(no extra server rank); alltoall: no server, every rank exchanges with every other; ring: no server, "
+        "every rank gossips with its two ring neighbours (CHOCO-SGD).",
+    ),
+    (
+        "--consensus-step",
+        "consensus_step",
+        click.FloatRange(0, 1, min_open=True),
+        "ring: gamma of CHOCO-SGD's consensus step x += gamma sum_j w_ij (x_hat_j - x_hat_i); 1 with codec none "
+        "is exact gossip averaging, lossy codecs need less (docs/training.md).",
+    ),
+    (
+        "--consensus-every",
+        "consensus_every",
+        click.IntRange(min=0),
+        "ring: log the consensus distance (1/N) sum ||x_i - x_mean||^2 in metrics.csv every N steps and at the "
+        "last (one allreduce of the model each time; 0: never).",
     ),
     (
         "--device",
@@ -254,7 +269,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "codec", "down_codec", "feedback", "dgc_momentum", "dgc_clip_norm", "dgc_warmup_epochs",
         "granularity", "push", "bucket_vectors", "on_nonfinite",
     ),
-    "Topology": ("topology", "servers", "mode", "staleness", "serve_thread"),
+    "Topology": ("topology", "servers", "mode", "staleness", "serve_thread", "consensus_step", "consensus_every"),
     "Optimizer and training": (
         "optimizer", "lr", "momentum", "nesterov", "weight_decay", "schedule", "lr_milestones", "lr_decay",
         "warmup_epochs", "scale_lr", "batch_size", "steps", "epochs", "accumulate", "clip_grad_norm", "amp",

@@ -368,3 +368,29 @@ def test_powersgd_bytes_per_step_are_its_factors_plus_the_exact_layers(tmp_path,
         for key in ("bytes_up", "bytes_down"):
             # alltoall: each rank's messages reach the other rank once, and it gets theirs
             assert 2 * payload <= int(row[key]) <= 2 * (payload + messages * 400), (key, row[key], payload)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ring_with_exact_messages_is_gossip_averaging(ranks):
+    proc = run_script("gossip.py", "--differ" if ranks == 4 else "", n=ranks, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.count("GOSSIP OK") == ranks, proc.stdout + proc.stderr[-3000:]
+
+
+def test_ring_with_sign_reaches_consensus_and_learns(tmp_path):
+    """CHOCO-SGD with sign messages on 4 ranks: the ranks' models drift apart while the learning
+    rate is high and come back together as the cosine schedule ends; the loss falls."""
+    py = __import__("sys").executable
+    args = ["--model", "mlp", "--steps", "60", "--batch-size", "16", "--synthetic-size", "512", "--no-progress"]
+    args += ["--topology", "ring", "--codec", "sign", "--consensus-step", "0.3", "--consensus-every", "5"]
+    args += ["--schedule", "cosine", "--lr", "0.05", "--log-dir", str(tmp_path)]
+    proc = run_mpi([py, "-m", "psgrad", "train", *args], n=4, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), line.split(","), strict=False)) for line in lines[1:]]
+    distance = [float(r["consensus"]) for r in rows if r["consensus"]]
+    assert len(distance) == 13  # steps 0, 5, ..., 55 and the last
+    assert max(distance) > 0 and distance[-1] < max(distance) / 4, distance
+    losses = [float(r["loss"]) for r in rows]
+    assert sum(losses[-10:]) < 0.7 * sum(losses[:10]), losses
+    sent = [int(r["bytes_up"]) for r in rows]
+    assert max(sent) < 4 * 2 * 197322 * 4 / 16  # sign: 1/32 of fp32 per link (4 ranks, 2 links each), with room

@@ -343,7 +343,7 @@ def busiest_link(m: dict, topology: str, baseline: bool, servers: int, workers: 
     sends back. colocated: every byte leaves one rank and enters another, and the ranks are alike,
     so a rank's egress is the step's total over the ranks. alltoall: a rank's own upload.
     """
-    if baseline or LAYOUTS[topology] == "peers":
+    if baseline or LAYOUTS[topology] in ("peers", "gossip"):
         return m["bytes_up"] / workers
     if LAYOUTS[topology] == "colocated":
         return (m["bytes_up"] + m["bytes_down"]) / workers

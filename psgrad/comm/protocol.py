@@ -33,7 +33,8 @@ def layer_tag(index: int) -> int:
 #   separate  — ranks 0..S-1 serve, the rest work (the parameter server, --servers S)
 #   colocated — every rank works and also serves a shard of the layers (BytePS-style)
 #   peers     — every rank works, nobody serves (all-to-all exchange)
-LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers"}
+#   gossip    — every rank works and talks to its neighbours only (decentralized, CHOCO-SGD)
+LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers", "ring": "gossip"}
 TOPOLOGIES = tuple(LAYOUTS)
 
 
@@ -63,7 +64,7 @@ class RankLayout:
 
     @property
     def server_ranks(self) -> list[int]:
-        return {"separate": list(range(self.servers)), "colocated": list(range(self.world)), "peers": []}[self.kind]
+        return {"separate": list(range(self.servers)), "colocated": list(range(self.world))}.get(self.kind, [])
 
     @property
     def worker_ranks(self) -> list[int]:

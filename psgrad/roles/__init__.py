@@ -12,10 +12,12 @@ from collections.abc import Callable
 from ..context import Role, RunContext
 from .alltoall import PeerRole
 from .colocated import ColocatedRole
+from .gossip import GossipRole
 from .ps import ps_role
 
 ROLES: dict[str, Callable[[RunContext], Role]] = {
     "ps": ps_role,
     "colocated": ColocatedRole,
     "alltoall": PeerRole,
+    "ring": GossipRole,
 }

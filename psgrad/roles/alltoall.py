@@ -14,7 +14,7 @@ Rank 0's metrics row is the step's statistics summed over ranks (one small allre
 from __future__ import annotations
 
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +23,6 @@ from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
 from ..comm.protocol import (
-    TIME_KEYS,
     GradientGate,
     Layer,
     StepStats,
@@ -37,6 +36,7 @@ from ..comm.protocol import (
 )
 from ..comm.transport import Handle
 from ..context import Role, RunContext
+from ..engine.peers import PeerRows
 from ..optim import learning_rate
 
 
@@ -79,7 +79,7 @@ class PeerRole(Role):
         self.queue = [(i, 1) for i in self.order] + [
             (i, r) for r in range(2, max(self.rounds, default=1) + 1) for i in self.order if self.rounds[i] >= r
         ]
-        self.first = self.last = time.perf_counter()
+        self.rows = PeerRows(ctx, self.world)
         self._hooks = []
         if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
             for name, param in self.params_by_name.items():
@@ -237,24 +237,7 @@ class PeerRole(Role):
     def step(self, step: int) -> list[dict]:
         self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
         images, labels = self.ctx.loader.batch(step)
-        stats = self.train_step(step, images, labels)
-        names = [f.name for f in fields(StepStats)]
-        sums = dict(zip(names, self.world.allreduce_sum(astuple(stats)), strict=True))
-        now = time.perf_counter()
-        row = {
-            "step": step,
-            "loss": sums["loss"] / self.size,
-            "bytes_up": int(sums["bytes_up"]),
-            "bytes_down": int(sums["bytes_down"]),
-            "it_per_s": 1 / max(1e-9, now - self.last),
-            "wall": now - self.first,
-            "lr": learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size),
-            "step_time": sums["step_time"] / self.size,
-            "nonfinite": int(sums["nonfinite"]),
-            **{k: sums[k] / self.size for k in TIME_KEYS},
-        }
-        self.last = now
-        return [row] if self.rank == 0 else []
+        return self.rows.row(self.train_step(step, images, labels))
 
     def evaluate(self, step: int) -> None:
         """BatchNorm statistics averaged over ranks, then rank 0 evaluates a copy (training goes on

@@ -1,0 +1,224 @@
+"""Decentralized gossip (``--topology ring``): CHOCO-SGD (Koloskova et al., ICML 2019).
+
+No server and no all-to-all: every rank trains its shard and talks to its ring neighbours only
+(rank i to i - 1 and i + 1 mod N; two ranks are each other's one neighbour). Every rank keeps
+public copies x_hat_j of itself and of its neighbours; every neighbour of j applies the same
+messages of j, so all copies of x_hat_j agree. Per step, layer by layer in forward order:
+1. local step: x_i = optimizer(x_i, g_i) with the run's optimizer and schedule;
+2. q_i = C(x_i - x_hat_i) with the run's codec (seeded by step, layer and rank);
+   x_hat_i += D(q_i); q_i goes to both neighbours (Isend; their q_j arrive into receives posted
+   before backward);
+3. x_hat_j += D(q_j) for each neighbour j;
+4. x_i += gamma * sum_j w_ij (x_hat_j - x_hat_i) over the neighbours, gamma = ``--consensus-step``,
+   w_ij = 1 / (neighbours + 1): uniform over the neighbourhood and self, which on a ring, where
+   every degree is the same, is also the Metropolis-Hastings weight.
+With codec ``none`` and gamma = 1 the copies are exact and step 4 is plain gossip averaging,
+x_i = sum_j w_ij x_j (self included). A layer that is not compressed (the 1-D bucket) always
+travels exact. Each link carries one message per layer and step, whatever N is.
+
+Every ``--consensus-every`` steps the metrics row also holds the consensus distance
+(1/N) sum_i ||x_i - x_bar||^2 (one allreduce of the model). Evaluation scores the ranks' average
+model x_bar (parameters and BatchNorm statistics averaged over ranks) on rank 0; the ranks'
+own models train on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..backprop import Backprop
+from ..codecs import make_codec
+from ..comm import wire
+from ..comm.protocol import (
+    Layer,
+    StepStats,
+    buffers_vector,
+    copy_flat_into,
+    layer_tag,
+    load_buffers_vector,
+    message_seed,
+    nonfinite_text,
+    skip_update,
+    upload_bound,
+)
+from ..comm.transport import Handle
+from ..context import Role, RunContext
+from ..engine.peers import PeerRows
+from ..optim import learning_rate
+
+
+def ring_neighbours(rank: int, size: int) -> list[int]:
+    """The ranks ``rank`` exchanges with on a ring of ``size`` (none alone, one for two)."""
+    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+
+
+class GossipRole(Role):
+    name = "peer"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.cfg, self.model, self.layers = ctx.cfg, ctx.model, ctx.layers
+        self.world, self.rank, self.size = ctx.transport, ctx.rank, ctx.transport.size
+        self.neighbours = ring_neighbours(self.rank, self.size)
+        self.weight = 1.0 / (len(self.neighbours) + 1)
+        self.params_by_name = dict(self.model.named_parameters())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
+        self.optimizer = ctx.make_optimizer()
+        self.codec, self.exact = make_codec(self.cfg.codec), make_codec("none")
+        self.feedback = ctx.make_feedback()
+        self.bounds = [upload_bound(self.feedback, layer) for layer in self.layers]
+        # x_hat of this rank and of each neighbour, per layer: every rank starts from the same model
+        start = {layer.index: self._values(layer) for layer in self.layers}
+        self.public = {(j, i): v.clone() for j in [self.rank, *self.neighbours] for i, v in start.items()}
+        self.rows = PeerRows(ctx, self.world)
+        self.doing = "starting"
+
+    def _values(self, layer: Layer) -> torch.Tensor:
+        return torch.cat([self.params_by_name[n].detach().reshape(-1).float().cpu() for n in layer.params])
+
+    def _codec(self, layer: Layer):
+        return self.codec if layer.compress else self.exact
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        s = StepStats(step=step)
+        start = time.perf_counter()
+        self.doing = f"step {step}: forward and backward"
+        self.model.train()
+        recvs: dict[tuple[int, int], Handle] = {}
+
+        def post_receives() -> None:
+            for j in self.neighbours:
+                for layer in self.layers:
+                    recvs[(j, layer.index)] = self.world.irecv(
+                        self.bounds[layer.index], j, layer_tag(layer.index), (j, layer.index)
+                    )
+
+        s.loss = self.backprop.run(images, labels, post_receives)
+        self.backprop.finish(self.params_by_name)
+        t_bwd = time.perf_counter()
+        lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
+        sends: list[Handle] = []
+        for layer in self.layers:
+            sends += self._local_step_and_send(layer, step, lr, s)
+        self.backprop.end_step(s.nonfinite > 0)
+        t_sent = time.perf_counter()
+        self.doing = f"step {step}: waiting for the neighbours' messages"
+        for (j, index), handle in recvs.items():
+            handle.wait()
+            s.bytes_down += handle.count
+            decode_start = time.perf_counter()
+            layer = self.layers[index]
+            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+            if msg.kind != "grad" or msg.layer != layer.name or msg.step != step or msg.sender != j:
+                raise RuntimeError(
+                    f"ring: rank {j} sent {msg.kind} {msg.layer!r} step {msg.step}; expected {layer.name!r} step {step}"
+                )
+            self._codec(layer).decode_add(msg, self.public[(j, index)])
+            s.decode += time.perf_counter() - decode_start
+        t_recv = time.perf_counter()
+        with torch.no_grad():
+            for layer in self.layers:  # 4. x_i += gamma sum_j w_ij (x_hat_j - x_hat_i)
+                mine = self.public[(self.rank, layer.index)]
+                pull = sum(self.public[(j, layer.index)] - mine for j in self.neighbours)
+                if self.neighbours:
+                    x = self._values(layer).add_(pull, alpha=self.cfg.consensus_step * self.weight)
+                    copy_flat_into(self.params_by_name, layer.params, x)
+        self.world.wait_all(sends)
+        end = time.perf_counter()
+        s.backward = t_bwd - start
+        s.push_wait = (t_recv - t_sent) - s.decode
+        s.apply = (end - t_recv) + (t_sent - t_bwd) - s.encode
+        s.step_time = end - start
+        return s
+
+    def _local_step_and_send(self, layer: Layer, step: int, lr: float, s: StepStats) -> list[Handle]:
+        """Steps 1 and 2 for one layer: the local update, then its public copy's change, sent."""
+        grad = self.backprop.gradient(self.params_by_name, layer)
+        what = f"step {step}: rank {self.rank}'s gradient of {layer.name!r}"
+        skipped = skip_update(grad, what, self.cfg.on_nonfinite)
+        s.nonfinite += int(skipped and nonfinite_text(grad, what) is not None)
+        x = self._values(layer)
+        if not skipped:
+            with torch.no_grad():
+                self.optimizer.step(layer.name, x, grad.reshape(-1).float(), lr)
+            copy_flat_into(self.params_by_name, layer.params, x)
+        start = time.perf_counter()
+        mine = self.public[(self.rank, layer.index)]
+        seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
+        codec = self._codec(layer)
+        msg = codec.encode(torch.sub(x, mine).view(layer.shape), seed=seed)
+        codec.decode_add(msg, mine)
+        msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, self.rank
+        data = wire.dumps(msg)
+        s.encode += time.perf_counter() - start
+        s.bytes_up += len(data) * len(self.neighbours)
+        return [self.world.isend(data, j, layer_tag(layer.index)) for j in self.neighbours]
+
+    # ------------------------------------------------------------------ the Role interface
+    def step(self, step: int) -> list[dict]:
+        images, labels = self.ctx.loader.batch(step)
+        stats = self.train_step(step, images, labels)
+        every = self.cfg.consensus_every
+        last = step == self.ctx.total - 1
+        extra = {"consensus": self.consensus_distance()} if every and (step % every == 0 or last) else None
+        return self.rows.row(stats, extra)
+
+    def _averaged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's flat model (parameters, then floating buffers) and the ranks' average of it."""
+        tensors = [p.detach().reshape(-1).double() for p in self.model.parameters()]
+        tensors += [b.detach().reshape(-1).double() for b in self.model.buffers() if b.is_floating_point()]
+        mine = torch.cat(tensors)
+        total = self.world.allreduce_sum(mine.numpy())
+        return mine, torch.from_numpy(total) / self.size
+
+    def consensus_distance(self) -> float:
+        """(1/N) sum_i ||x_i - x_bar||^2 over the parameters (collective)."""
+        numel = sum(p.numel() for p in self.model.parameters())
+        mine, mean = self._averaged()
+        local = float(torch.sum((mine[:numel] - mean[:numel]) ** 2))
+        return float(self.world.allreduce_sum([local])[0]) / self.size
+
+    def evaluate(self, step: int) -> None:
+        """Rank 0 scores the ranks' average model (collective: one allreduce of the model)."""
+        start = time.perf_counter()
+        _, mean = self._averaged()
+        if self.rank == 0:
+            model = self.ctx.evaluation_model()
+            model.load_state_dict(self.model.state_dict())
+            targets = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+            offset = 0
+            with torch.no_grad():
+                for t in targets:
+                    t.copy_(mean[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+            self.ctx.start_evaluation(model, step, time.perf_counter() - start)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params_by_name.items()}
+
+    def state_dict(self) -> dict:
+        return {
+            "optim": self.optimizer.state_dict(),
+            "params": self.params(),
+            "public": {f"{j}/{i}": v for (j, i), v in self.public.items()},
+            "buffers": buffers_vector(self.model),
+            "rng": torch.get_rng_state(),
+            "loss_scale": self.backprop.scale.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optim"])
+        with torch.no_grad():
+            for name, value in state["params"].items():
+                self.params_by_name[name].copy_(value)
+        for key, value in state["public"].items():
+            j, i = (int(part) for part in key.split("/"))
+            if (j, i) not in self.public:
+                raise ValueError(f"checkpoint holds rank {j}'s copy, not a neighbour of rank {self.rank} here")
+            self.public[(j, i)].copy_(value)
+        load_buffers_vector(self.model, state["buffers"])
+        torch.set_rng_state(state["rng"])
+        self.backprop.scale.load_state_dict(state["loss_scale"])
