@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .codecs import make_codec
-from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES
+from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES, parse_grid
 from .data import DATASETS
 from .feedback import FEEDBACKS
 from .models import MODELS
@@ -64,6 +64,7 @@ class RunConfig:
     topology: str = "ps"
     consensus_step: float = 0.5  # ring: gamma of CHOCO-SGD's consensus step
     consensus_every: int = 10  # ring: log the consensus distance every N steps (0: never)
+    grid: str | None = None  # torus: RxC
     device: str = "cpu"
     threads: int = 1
     seed: int = 0
@@ -119,13 +120,19 @@ class RunConfig:
         if LAYOUTS.get(self.topology) == "gossip":
             need(0 < self.consensus_step <= 1, f"--consensus-step must be in (0, 1], got {self.consensus_step}")
             need(
+                self.topology != "torus" or bool(self.grid),
+                "--topology torus needs --grid RxC (rows x columns = the number of ranks)",
+            )
+            if self.topology == "torus":
+                parse_grid(self.grid)
+            need(
                 self.feedback == "none" and self.down_codec == "none",
-                "--topology ring keeps public copies of the models (CHOCO-SGD), which already carry what the codec "
+                f"--topology {self.topology} keeps public copies of the models (CHOCO-SGD), which already carry what the codec "
                 "dropped into later steps: use --feedback none and no --down-codec (there is no down-link)",
             )
             need(
                 not make_codec(self.codec).multi_round,
-                f"--topology ring sends one message per layer and step: {self.codec} needs a server's rounds",
+                f"--topology {self.topology} sends one message per layer and step: {self.codec} needs a server's rounds",
             )
         need(self.consensus_every >= 0, f"--consensus-every must be >= 0, got {self.consensus_every}")
         need(self.granularity in ("layer", "model"), f"--granularity must be layer or model, got {self.granularity!r}")

@@ -180,8 +180,8 @@ RUN_OPTIONS = [
         "topology",
         click.Choice(list(TOPOLOGIES)),
         "ps: server ranks and worker ranks; colocated: every rank works and serves a shard of the layers "
-        "(no extra server rank); alltoall: no server, every rank exchanges with every other; ring: no server, "
-        "every rank gossips with its two ring neighbours (CHOCO-SGD).",
+        "(no extra server rank); alltoall: no server, every rank exchanges with every other; ring / torus: no "
+        "server, every rank gossips with its ring or torus neighbours only (CHOCO-SGD).",
     ),
     (
         "--consensus-step",
@@ -189,6 +189,13 @@ RUN_OPTIONS = [
         click.FloatRange(0, 1, min_open=True),
         "ring: gamma of CHOCO-SGD's consensus step x += gamma sum_j w_ij (x_hat_j - x_hat_i); 1 with codec none "
         "is exact gossip averaging, lossy codecs need less (docs/training.md).",
+    ),
+    (
+        "--grid",
+        "grid",
+        str,
+        "torus: RxC, rows x columns of the torus (= the number of ranks, placed row-major); each rank gossips "
+        "with the ranks above, below, left and right of it, wrapping around.",
     ),
     (
         "--consensus-every",
@@ -269,7 +276,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "codec", "down_codec", "feedback", "dgc_momentum", "dgc_clip_norm", "dgc_warmup_epochs",
         "granularity", "push", "bucket_vectors", "on_nonfinite",
     ),
-    "Topology": ("topology", "servers", "mode", "staleness", "serve_thread", "consensus_step", "consensus_every"),
+    "Topology": ("topology", "servers", "mode", "staleness", "serve_thread", "consensus_step", "grid", "consensus_every"),
     "Optimizer and training": (
         "optimizer", "lr", "momentum", "nesterov", "weight_decay", "schedule", "lr_milestones", "lr_decay",
         "warmup_epochs", "scale_lr", "batch_size", "steps", "epochs", "accumulate", "clip_grad_norm", "amp",

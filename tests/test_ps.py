@@ -370,9 +370,9 @@ def test_powersgd_bytes_per_step_are_its_factors_plus_the_exact_layers(tmp_path,
             assert 2 * payload <= int(row[key]) <= 2 * (payload + messages * 400), (key, row[key], payload)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_ring_with_exact_messages_is_gossip_averaging(ranks):
-    proc = run_script("gossip.py", "--differ" if ranks == 4 else "", n=ranks, timeout=180)
+@pytest.mark.parametrize("ranks,flags", [(2, []), (4, ["--differ"]), (4, ["--torus", "--differ"])])
+def test_ring_with_exact_messages_is_gossip_averaging(ranks, flags):
+    proc = run_script("gossip.py", *flags, n=ranks, timeout=180)
     assert proc.returncode == 0 and proc.stdout.count("GOSSIP OK") == ranks, proc.stdout + proc.stderr[-3000:]
 
 
@@ -394,3 +394,18 @@ def test_ring_with_sign_reaches_consensus_and_learns(tmp_path):
     assert sum(losses[-10:]) < 0.7 * sum(losses[:10]), losses
     sent = [int(r["bytes_up"]) for r in rows]
     assert max(sent) < 4 * 2 * 197322 * 4 / 16  # sign: 1/32 of fp32 per link (4 ranks, 2 links each), with room
+
+
+def test_gossip_neighbourhoods():
+    from psgrad.comm.protocol import neighbours_of, parse_grid, ring_neighbours, torus_neighbours
+
+    assert [ring_neighbours(r, 4) for r in range(4)] == [[1, 3], [0, 2], [1, 3], [0, 2]]
+    assert ring_neighbours(0, 2) == [1] and ring_neighbours(0, 1) == []
+    # 2 x 4: rank 5 is row 1, column 1: above/below wrap to rank 1, left 4, right 6
+    assert torus_neighbours(5, 2, 4) == [1, 4, 6]
+    assert torus_neighbours(4, 3, 3) == [1, 3, 5, 7]
+    assert parse_grid("2X3") == (2, 3)
+    with pytest.raises(ValueError, match="RxC"):
+        parse_grid("2by3")
+    with pytest.raises(ValueError, match="has 6 places for 4 ranks"):
+        neighbours_of("torus", "2x3", 0, 4)

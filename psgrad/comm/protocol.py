@@ -34,7 +34,7 @@ def layer_tag(index: int) -> int:
 #   colocated — every rank works and also serves a shard of the layers (BytePS-style)
 #   peers     — every rank works, nobody serves (all-to-all exchange)
 #   gossip    — every rank works and talks to its neighbours only (decentralized, CHOCO-SGD)
-LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers", "ring": "gossip"}
+LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers", "ring": "gossip", "torus": "gossip"}
 TOPOLOGIES = tuple(LAYOUTS)
 
 
@@ -91,6 +91,43 @@ class RankLayout:
     def ranks_needed(topology: str, workers: int, servers: int) -> int:
         """MPI ranks a job of ``workers`` workers needs under ``topology``."""
         return workers + (servers if LAYOUTS[topology] == "separate" else 0)
+
+
+# ---------------------------------------------------------------------- gossip neighbourhoods
+def ring_neighbours(rank: int, size: int) -> list[int]:
+    """The ranks ``rank`` exchanges with on a ring of ``size`` (none alone, one for two)."""
+    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    """``"2x3"`` -> (2, 3): rows and columns of a torus."""
+    rows, sep, cols = text.lower().partition("x")
+    if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+        raise ValueError(f"--grid must look like RxC with R, C >= 1 (e.g. 2x4), got {text!r}")
+    return int(rows), int(cols)
+
+
+def torus_neighbours(rank: int, rows: int, cols: int) -> list[int]:
+    """The ranks ``rank`` exchanges with on a ``rows`` x ``cols`` torus (row-major ranks): up,
+    down, left and right with wrap-around, each once (a side of 1 or 2 has fewer distinct ones)."""
+    r, c = divmod(rank, cols)
+    around = {
+        ((r - 1) % rows) * cols + c,
+        ((r + 1) % rows) * cols + c,
+        r * cols + (c - 1) % cols,
+        r * cols + (c + 1) % cols,
+    }
+    return sorted(around - {rank})
+
+
+def neighbours_of(topology: str, grid: str | None, rank: int, size: int) -> list[int]:
+    """This rank's gossip neighbours under ``topology`` (ring, or torus with ``grid``)."""
+    if topology == "ring":
+        return ring_neighbours(rank, size)
+    rows, cols = parse_grid(grid or "")
+    if rows * cols != size:
+        raise ValueError(f"--grid {grid} has {rows * cols} places for {size} ranks: start mpiexec -n {rows * cols}")
+    return torus_neighbours(rank, rows, cols)
 
 
 # ---------------------------------------------------------------------- the layer plan

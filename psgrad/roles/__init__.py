@@ -20,4 +20,5 @@ ROLES: dict[str, Callable[[RunContext], Role]] = {
     "colocated": ColocatedRole,
     "alltoall": PeerRole,
     "ring": GossipRole,
+    "torus": GossipRole,
 }

@@ -1,7 +1,8 @@
-"""Decentralized gossip (``--topology ring``): CHOCO-SGD (Koloskova et al., ICML 2019).
+"""Decentralized gossip (``--topology ring`` / ``torus``): CHOCO-SGD (Koloskova et al., ICML 2019).
 
-No server and no all-to-all: every rank trains its shard and talks to its ring neighbours only
-(rank i to i - 1 and i + 1 mod N; two ranks are each other's one neighbour). Every rank keeps
+No server and no all-to-all: every rank trains its shard and talks to its neighbours only — on a
+ring rank i to i - 1 and i + 1 mod N (two ranks are each other's one neighbour); on an R x C torus
+(``--grid RxC``, ranks row-major) the ranks above, below, left and right, wrapping around. Every rank keeps
 public copies x_hat_j of itself and of its neighbours; every neighbour of j applies the same
 messages of j, so all copies of x_hat_j agree. Per step, layer by layer in forward order:
 1. local step: x_i = optimizer(x_i, g_i) with the run's optimizer and schedule;
@@ -10,8 +11,8 @@ messages of j, so all copies of x_hat_j agree. Per step, layer by layer in forwa
    before backward);
 3. x_hat_j += D(q_j) for each neighbour j;
 4. x_i += gamma * sum_j w_ij (x_hat_j - x_hat_i) over the neighbours, gamma = ``--consensus-step``,
-   w_ij = 1 / (neighbours + 1): uniform over the neighbourhood and self, which on a ring, where
-   every degree is the same, is also the Metropolis-Hastings weight.
+   w_ij = 1 / (neighbours + 1): uniform over the neighbourhood and self, which on a ring or a
+   torus, where every degree is the same, is also the Metropolis-Hastings weight.
 With codec ``none`` and gamma = 1 the copies are exact and step 4 is plain gossip averaging,
 x_i = sum_j w_ij x_j (self included). A layer that is not compressed (the 1-D bucket) always
 travels exact. Each link carries one message per layer and step, whatever N is.
@@ -39,6 +40,7 @@ from ..comm.protocol import (
     layer_tag,
     load_buffers_vector,
     message_seed,
+    neighbours_of,
     nonfinite_text,
     skip_update,
     upload_bound,
@@ -49,11 +51,6 @@ from ..engine.peers import PeerRows
 from ..optim import learning_rate
 
 
-def ring_neighbours(rank: int, size: int) -> list[int]:
-    """The ranks ``rank`` exchanges with on a ring of ``size`` (none alone, one for two)."""
-    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
-
-
 class GossipRole(Role):
     name = "peer"
 
@@ -61,7 +58,9 @@ class GossipRole(Role):
         super().__init__(ctx)
         self.cfg, self.model, self.layers = ctx.cfg, ctx.model, ctx.layers
         self.world, self.rank, self.size = ctx.transport, ctx.rank, ctx.transport.size
-        self.neighbours = ring_neighbours(self.rank, self.size)
+        self.neighbours = neighbours_of(self.cfg.topology, self.cfg.grid, self.rank, self.size)
+        # uniform over the neighbourhood and self; every degree is the same on a ring or a torus,
+        # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
         self.params_by_name = dict(self.model.named_parameters())
         self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)

@@ -7,11 +7,11 @@ import sys
 
 import torch
 
+from psgrad.comm.protocol import neighbours_of
 from psgrad.comm.transport import world_rank, world_size
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.models import build_model
-from psgrad.roles.gossip import ring_neighbours
 from psgrad.train import run
 
 steps = 5
@@ -25,7 +25,8 @@ cfg = RunConfig(
     weight_decay=5e-4,
     progress=False,
     seed=3,
-    topology="ring",
+    topology="torus" if "--torus" in sys.argv else "ring",
+    grid="2x2" if "--torus" in sys.argv else None,
     codec="none",
     consensus_step=1.0,
     consensus_every=1,
@@ -51,7 +52,7 @@ for step in range(steps):
     before = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
     with torch.no_grad():
         for r, m in enumerate(models):
-            group = [r, *ring_neighbours(r, size)]
+            group = [r, *neighbours_of(cfg.topology, cfg.grid, r, size)]
             for n, p in m.named_parameters():
                 p.copy_(sum(before[j][n] for j in group) / len(group))
 mine = dict(models[rank].named_parameters())
