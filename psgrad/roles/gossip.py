@@ -87,8 +87,11 @@ class GossipRole(Role):
         self.doing = f"step {step}: forward and backward"
         self.model.train()
         recvs: dict[tuple[int, int], Handle] = {}
+        t_fwd = start
 
         def post_receives() -> None:
+            nonlocal t_fwd
+            t_fwd = time.perf_counter()
             for j in self.neighbours:
                 for layer in self.layers:
                     recvs[(j, layer.index)] = self.world.irecv(
@@ -127,7 +130,7 @@ class GossipRole(Role):
                     copy_flat_into(self.params_by_name, layer.params, x)
         self.world.wait_all(sends)
         end = time.perf_counter()
-        s.backward = t_bwd - start
+        s.forward, s.backward = t_fwd - start, t_bwd - t_fwd
         s.push_wait = (t_recv - t_sent) - s.decode
         s.apply = (end - t_recv) + (t_sent - t_bwd) - s.encode
         s.step_time = end - start
