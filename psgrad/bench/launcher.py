@@ -182,6 +182,7 @@ def run_item(
     bench_cfg = replace(
         cfg,
         steps=steps + warmup,
+        consensus_every=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
         eval_every=0,
         eval_steps=eval_steps,
         eval_background=False,

@@ -5,7 +5,8 @@ ring rank i to i - 1 and i + 1 mod N (two ranks are each other's one neighbour);
 (``--grid RxC``, ranks row-major) the ranks above, below, left and right, wrapping around. Every rank keeps
 public copies x_hat_j of itself and of its neighbours; every neighbour of j applies the same
 messages of j, so all copies of x_hat_j agree. Per step, layer by layer in forward order:
-1. local step: x_i = optimizer(x_i, g_i) with the run's optimizer and schedule;
+1. local step: x_i = optimizer(x_i, g_i) with the run's optimizer and schedule — in the layer's
+   gradient hook, so this and step 2 overlap the backward of the earlier layers;
 2. q_i = C(x_i - x_hat_i) with the run's codec (seeded by step, layer and rank);
    x_hat_i += D(q_i); q_i goes to both neighbours (Isend; their q_j arrive into receives posted
    before backward);
@@ -33,6 +34,7 @@ from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
 from ..comm.protocol import (
+    GradientGate,
     Layer,
     StepStats,
     buffers_vector,
@@ -73,6 +75,12 @@ class GossipRole(Role):
         self.public = {(j, i): v.clone() for j in [self.rank, *self.neighbours] for i, v in start.items()}
         self.rows = PeerRows(ctx, self.world)
         self.doing = "starting"
+        self.layer_of = {name: layer for layer in self.layers for name in layer.params}
+        self.gate = GradientGate(self.layers)
+        if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
+            for name, param in self.params_by_name.items():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._grad_ready(name))
 
     def _values(self, layer: Layer) -> torch.Tensor:
         return torch.cat([self.params_by_name[n].detach().reshape(-1).float().cpu() for n in layer.params])
@@ -81,8 +89,24 @@ class GossipRole(Role):
         return self.codec if layer.compress else self.exact
 
     # ------------------------------------------------------------------ the step
+    def _grad_ready(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
+                return
+            layer = self.layer_of[name]
+            if self.gate.arrived(layer):
+                self._local_step_and_send(layer)
+
+        return hook
+
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
-        s = StepStats(step=step)
+        """One step; steps 1 and 2 of a layer run in its gradient hook, while backward goes on
+        with earlier layers (after backward for layers whose hook did not fire)."""
+        s = self.stats = StepStats(step=step)
+        self.lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
+        self.sends: list[Handle] = []
+        self.sent: set[int] = set()
+        self.gate.reset()
         start = time.perf_counter()
         self.doing = f"step {step}: forward and backward"
         self.model.train()
@@ -100,11 +124,11 @@ class GossipRole(Role):
 
         s.loss = self.backprop.run(images, labels, post_receives)
         self.backprop.finish(self.params_by_name)
+        in_hooks = s.encode + s.apply
         t_bwd = time.perf_counter()
-        lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
-        sends: list[Handle] = []
         for layer in self.layers:
-            sends += self._local_step_and_send(layer, step, lr, s)
+            if layer.index not in self.sent:
+                self._local_step_and_send(layer)
         self.backprop.end_step(s.nonfinite > 0)
         t_sent = time.perf_counter()
         self.doing = f"step {step}: waiting for the neighbours' messages"
@@ -116,7 +140,8 @@ class GossipRole(Role):
             msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
             if msg.kind != "grad" or msg.layer != layer.name or msg.step != step or msg.sender != j:
                 raise RuntimeError(
-                    f"ring: rank {j} sent {msg.kind} {msg.layer!r} step {msg.step}; expected {layer.name!r} step {step}"
+                    f"{self.cfg.topology}: rank {j} sent {msg.kind} {msg.layer!r} step {msg.step}; "
+                    f"expected {layer.name!r} step {step}"
                 )
             self._codec(layer).decode_add(msg, self.public[(j, index)])
             s.decode += time.perf_counter() - decode_start
@@ -128,16 +153,19 @@ class GossipRole(Role):
                 if self.neighbours:
                     x = self._values(layer).add_(pull, alpha=self.cfg.consensus_step * self.weight)
                     copy_flat_into(self.params_by_name, layer.params, x)
-        self.world.wait_all(sends)
+        self.world.wait_all(self.sends)
         end = time.perf_counter()
-        s.forward, s.backward = t_fwd - start, t_bwd - t_fwd
+        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - in_hooks
         s.push_wait = (t_recv - t_sent) - s.decode
-        s.apply = (end - t_recv) + (t_sent - t_bwd) - s.encode
+        s.apply += end - t_recv
         s.step_time = end - start
         return s
 
-    def _local_step_and_send(self, layer: Layer, step: int, lr: float, s: StepStats) -> list[Handle]:
+    def _local_step_and_send(self, layer: Layer) -> None:
         """Steps 1 and 2 for one layer: the local update, then its public copy's change, sent."""
+        s, step = self.stats, self.stats.step
+        start = time.perf_counter()
+        self.sent.add(layer.index)
         grad = self.backprop.gradient(self.params_by_name, layer)
         what = f"step {step}: rank {self.rank}'s gradient of {layer.name!r}"
         skipped = skip_update(grad, what, self.cfg.on_nonfinite)
@@ -145,9 +173,10 @@ class GossipRole(Role):
         x = self._values(layer)
         if not skipped:
             with torch.no_grad():
-                self.optimizer.step(layer.name, x, grad.reshape(-1).float(), lr)
+                self.optimizer.step(layer.name, x, grad.reshape(-1).float(), self.lr)
             copy_flat_into(self.params_by_name, layer.params, x)
-        start = time.perf_counter()
+        coded = time.perf_counter()
+        s.apply += coded - start
         mine = self.public[(self.rank, layer.index)]
         seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
         codec = self._codec(layer)
@@ -155,9 +184,10 @@ class GossipRole(Role):
         codec.decode_add(msg, mine)
         msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, self.rank
         data = wire.dumps(msg)
-        s.encode += time.perf_counter() - start
         s.bytes_up += len(data) * len(self.neighbours)
-        return [self.world.isend(data, j, layer_tag(layer.index)) for j in self.neighbours]
+        self.sends += [self.world.isend(data, j, layer_tag(layer.index)) for j in self.neighbours]
+        self.sends = self.world.progress(self.sends)
+        s.encode += time.perf_counter() - coded
 
     # ------------------------------------------------------------------ the Role interface
     def step(self, step: int) -> list[dict]:
