@@ -142,7 +142,7 @@ def test_busiest_link_per_topology():
 def test_time_to_target_excludes_evaluation_pauses():
     from psgrad.bench.launcher import to_target
 
-    rows = [{"wall": 1.0 * (s + 1), "bytes_up": 100_000, "bytes_down": 50_000} for s in range(10)]
+    rows = [{"step": s, "wall": 1.0 * (s + 1), "bytes_up": 100_000, "bytes_down": 50_000} for s in range(10)]
     evals = [
         {"step": 1, "test_acc": 0.3, "eval_seconds": 0.5},
         {"step": 3, "test_acc": 0.6, "eval_seconds": 0.5},
@@ -155,6 +155,26 @@ def test_time_to_target_excludes_evaluation_pauses():
     assert got == {"target_steps": 6, "target_seconds": 5.0, "target_mb": 0.9, "final_acc": 0.7}
     never = to_target(rows, evals, 0.9)
     assert never["final_acc"] == 0.7 and all(never[k] != never[k] for k in ("target_steps", "target_seconds"))
+    # rows are found by their step, not their position; missing ones are an error, not a wrong answer
+    assert to_target(rows[::-1], evals, 0.75) == got
+    with pytest.raises(ValueError, match="rows of steps 0..5"):
+        to_target(rows[3:], evals, 0.75)
+
+
+def test_a_run_without_log_dir_keeps_every_metrics_row(monkeypatch, tmp_path):
+    """psgrad bench's time to accuracy reads a run's rows in memory: a run of more steps than the
+    rows kept with a log dir gave the seconds of a later step (rows[s] was not step s)."""
+    from psgrad import metrics
+
+    monkeypatch.setattr(metrics, "ROWS_KEPT", 5)
+    kept = {}
+    for name, log_dir in (("memory", None), ("disk", tmp_path)):
+        log = metrics.MetricsLog(log_dir, 12, 0, 4, "test", progress=False)
+        for step in range(12):
+            log.step({"step": step, "loss": 1.0, "it_per_s": 1.0, "bytes_up": 0, "bytes_down": 0, "wall": float(step)})
+        kept[name] = [r["step"] for r in log.rows]
+        log.close()
+    assert kept == {"memory": list(range(12)), "disk": list(range(7, 12))}
 
 
 def test_target_table_ranks_by_seconds_and_says_never():

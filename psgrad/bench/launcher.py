@@ -142,13 +142,16 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     """
     out = {"target_steps": NAN, "target_seconds": NAN, "target_mb": NAN}
     out["final_acc"] = float(evals[-1]["test_acc"]) if evals else NAN
+    by_step = {int(r["step"]): r for r in rows}
     paused = 0.0
     for e in evals:
         if e["test_acc"] >= target:
             s = int(e["step"])
+            if any(step not in by_step for step in range(s + 1)):
+                raise ValueError(f"time to accuracy needs the metrics rows of steps 0..{s}; some are missing")
             out["target_steps"] = s + 1
-            out["target_seconds"] = rows[s]["wall"] - paused
-            out["target_mb"] = sum(r["bytes_up"] + r["bytes_down"] for r in rows[: s + 1]) / 1e6
+            out["target_seconds"] = by_step[s]["wall"] - paused
+            out["target_mb"] = sum(by_step[i]["bytes_up"] + by_step[i]["bytes_down"] for i in range(s + 1)) / 1e6
             break
         paused += float(e.get("paused_seconds", e.get("eval_seconds", 0.0)))
     return out
