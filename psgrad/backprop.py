@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .comm.protocol import Layer, layer_grad
+from .comm.protocol import GradientGate, Layer, layer_grad
 from .config import RunConfig
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,6 +137,23 @@ class Backprop:
             factor = self.cfg.clip_grad_norm / (norm + 1e-6)
             for grad in grads:
                 grad.mul_(factor)
+
+    def on_layer_gradients(
+        self, params: dict[str, torch.Tensor], gate: GradientGate, callback: Callable[[Layer], None]
+    ) -> list:
+        """Call ``callback(layer)`` during backward the moment a layer's last parameter has its
+        gradient, in the last micro-batch only (earlier ones only accumulate); returns the hook
+        handles. Workers, alltoall peers and gossip ranks send from here."""
+        layer_of = {name: layer for layer in gate.layers for name in layer.params}
+
+        def hook_for(name: str):
+            def hook(param: torch.Tensor) -> None:
+                if self.pushing and gate.arrived(layer_of[name]):
+                    callback(layer_of[name])
+
+            return hook
+
+        return [p.register_post_accumulate_grad_hook(hook_for(n)) for n, p in params.items() if p.requires_grad]
 
     def gradient(self, params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
         """``layer``'s flat gradient with the loss scale divided away (a new tensor if scaled)."""

@@ -1,11 +1,15 @@
-"""What the serverless roles share (alltoall, ring): a step's metrics row from sums over ranks."""
+"""What the serverless roles share (alltoall, ring/torus): a step's metrics row from sums over
+ranks, and the checkpoint of a rank's own model."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import astuple, fields
 
-from ..comm.protocol import TIME_KEYS, StepStats
+import torch
+
+from ..backprop import Backprop
+from ..comm.protocol import TIME_KEYS, StepStats, buffers_vector, load_buffers_vector
 from ..comm.transport import Transport
 from ..context import RunContext
 from ..optim import learning_rate
@@ -39,3 +43,29 @@ class PeerRows:
         }
         self.last = now
         return [row] if self.transport.rank == 0 else []
+
+
+def replica_state(params: dict[str, torch.Tensor], model: torch.nn.Module, backprop: Backprop, optimizer) -> dict:
+    """A serverless rank's own training state: optimizer, parameters, BatchNorm statistics, RNG
+    state and loss scale (its role adds what else it keeps)."""
+    return {
+        "optim": optimizer.state_dict(),
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "buffers": buffers_vector(model),
+        "rng": torch.get_rng_state(),
+        "loss_scale": backprop.scale.state_dict(),
+    }
+
+
+def load_replica_state(
+    state: dict, params: dict[str, torch.Tensor], model: torch.nn.Module, backprop: Backprop, optimizer
+) -> None:
+    """Restore what ``replica_state`` saved."""
+    optimizer.load_state_dict(state["optim"])
+    with torch.no_grad():
+        for name, value in state["params"].items():
+            params[name].copy_(value)
+    load_buffers_vector(model, state["buffers"])
+    torch.set_rng_state(state["rng"])
+    if "loss_scale" in state:  # checkpoints written before --amp have none
+        backprop.scale.load_state_dict(state["loss_scale"])

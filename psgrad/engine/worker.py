@@ -95,9 +95,9 @@ class Worker:
         self.doing = "starting"
         self._hooks = []
         if self.cfg.granularity == "layer" and self.cfg.push == "backward" and self.backprop.hooks_may_send:
-            for name, param in self.params.items():
-                if param.requires_grad:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
+            self._hooks += self.backprop.on_layer_gradients(
+                self.params, self.gate, lambda layer: self.push(layer, self.backprop.gradient(self.params, layer))
+            )
         for prefix, module in self.model.named_modules():
             own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
             if own:
@@ -266,16 +266,6 @@ class Worker:
             self.finish_pull(index)
 
     # ------------------------------------------------------------------ push
-    def _grad_ready(self, name: str):
-        def hook(param: torch.Tensor) -> None:
-            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
-                return
-            layer = self.layer_of[name]
-            if self.gate.arrived(layer):
-                self.push(layer, self.backprop.gradient(self.params, layer))
-
-        return hook
-
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
         """Encode ``grad`` of ``layer`` (feedback -> codec) and send it to its server."""
         start = time.perf_counter()

@@ -36,7 +36,7 @@ from ..comm.protocol import (
 )
 from ..comm.transport import Handle
 from ..context import Role, RunContext
-from ..engine.peers import PeerRows
+from ..engine.peers import PeerRows, load_replica_state, replica_state
 from ..optim import learning_rate
 
 
@@ -66,7 +66,6 @@ class PeerRole(Role):
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
         self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
-        self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = ctx.make_optimizer()
         self.doing = "starting"
@@ -82,20 +81,11 @@ class PeerRole(Role):
         self.rows = PeerRows(ctx, self.world)
         self._hooks = []
         if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
-            for name, param in self.params_by_name.items():
-                if param.requires_grad:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready(name)))
+            self._hooks += self.backprop.on_layer_gradients(self.params_by_name, self.gate, self._layer_ready)
 
-    def _grad_ready(self, name: str):
-        def hook(param: torch.Tensor) -> None:
-            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
-                return
-            layer = self.layer_of[name]
-            if self.gate.arrived(layer):
-                self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
-                self._pump()
-
-        return hook
+    def _layer_ready(self, layer: Layer) -> None:
+        self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
+        self._pump()
 
     def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -256,22 +246,9 @@ class PeerRole(Role):
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}
 
     def state_dict(self) -> dict:
-        return {
-            "feedback": self.feedback.state_dict(),
-            "optim": self.optimizer.state_dict(),
-            "params": {n: p.detach().clone() for n, p in self.params_by_name.items()},
-            "buffers": buffers_vector(self.model),
-            "rng": torch.get_rng_state(),
-            "loss_scale": self.backprop.scale.state_dict(),
-        }
+        state = replica_state(self.params_by_name, self.model, self.backprop, self.optimizer)
+        return {"feedback": self.feedback.state_dict(), **state}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
-        self.optimizer.load_state_dict(state["optim"])
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                self.params_by_name[name].copy_(value)
-        load_buffers_vector(self.model, state["buffers"])
-        torch.set_rng_state(state["rng"])
-        if "loss_scale" in state:  # checkpoints written before --amp have none
-            self.backprop.scale.load_state_dict(state["loss_scale"])
+        load_replica_state(state, self.params_by_name, self.model, self.backprop, self.optimizer)

@@ -37,10 +37,8 @@ from ..comm.protocol import (
     GradientGate,
     Layer,
     StepStats,
-    buffers_vector,
     copy_flat_into,
     layer_tag,
-    load_buffers_vector,
     message_seed,
     neighbours_of,
     nonfinite_text,
@@ -49,7 +47,7 @@ from ..comm.protocol import (
 )
 from ..comm.transport import Handle
 from ..context import Role, RunContext
-from ..engine.peers import PeerRows
+from ..engine.peers import PeerRows, load_replica_state, replica_state
 from ..optim import learning_rate
 
 
@@ -75,12 +73,9 @@ class GossipRole(Role):
         self.public = {(j, i): v.clone() for j in [self.rank, *self.neighbours] for i, v in start.items()}
         self.rows = PeerRows(ctx, self.world)
         self.doing = "starting"
-        self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.gate = GradientGate(self.layers)
         if self.cfg.granularity == "layer" and self.backprop.hooks_may_send:
-            for name, param in self.params_by_name.items():
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._grad_ready(name))
+            self.backprop.on_layer_gradients(self.params_by_name, self.gate, self._local_step_and_send)
 
     def _values(self, layer: Layer) -> torch.Tensor:
         return torch.cat([self.params_by_name[n].detach().reshape(-1).float().cpu() for n in layer.params])
@@ -89,16 +84,6 @@ class GossipRole(Role):
         return self.codec if layer.compress else self.exact
 
     # ------------------------------------------------------------------ the step
-    def _grad_ready(self, name: str):
-        def hook(param: torch.Tensor) -> None:
-            if not self.backprop.pushing:  # an earlier micro-batch of --accumulate
-                return
-            layer = self.layer_of[name]
-            if self.gate.arrived(layer):
-                self._local_step_and_send(layer)
-
-        return hook
-
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """One step; steps 1 and 2 of a layer run in its gradient hook, while backward goes on
         with earlier layers (after backward for layers whose hook did not fire)."""
@@ -232,25 +217,13 @@ class GossipRole(Role):
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}
 
     def state_dict(self) -> dict:
-        return {
-            "optim": self.optimizer.state_dict(),
-            "params": self.params(),
-            "public": {f"{j}/{i}": v for (j, i), v in self.public.items()},
-            "buffers": buffers_vector(self.model),
-            "rng": torch.get_rng_state(),
-            "loss_scale": self.backprop.scale.state_dict(),
-        }
+        state = replica_state(self.params_by_name, self.model, self.backprop, self.optimizer)
+        return {"public": {f"{j}/{i}": v for (j, i), v in self.public.items()}, **state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optim"])
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                self.params_by_name[name].copy_(value)
+        load_replica_state(state, self.params_by_name, self.model, self.backprop, self.optimizer)
         for key, value in state["public"].items():
             j, i = (int(part) for part in key.split("/"))
             if (j, i) not in self.public:
                 raise ValueError(f"checkpoint holds rank {j}'s copy, not a neighbour of rank {self.rank} here")
             self.public[(j, i)].copy_(value)
-        load_buffers_vector(self.model, state["buffers"])
-        torch.set_rng_state(state["rng"])
-        self.backprop.scale.load_state_dict(state["loss_scale"])
