@@ -41,7 +41,6 @@ from ..comm.protocol import (
     layer_tag,
     message_seed,
     neighbours_of,
-    nonfinite_text,
     skip_update,
     upload_bound,
 )
@@ -153,8 +152,8 @@ class GossipRole(Role):
         self.sent.add(layer.index)
         grad = self.backprop.gradient(self.params_by_name, layer)
         what = f"step {step}: rank {self.rank}'s gradient of {layer.name!r}"
-        skipped = skip_update(grad, what, self.cfg.on_nonfinite)
-        s.nonfinite += int(skipped and nonfinite_text(grad, what) is not None)
+        skipped = skip_update(grad, what, self.cfg.on_nonfinite)  # abort raises naming the step and layer
+        s.nonfinite += int(skipped)
         x = self._values(layer)
         if not skipped:
             with torch.no_grad():
