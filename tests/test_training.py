@@ -187,6 +187,7 @@ POWERSGD = ("codec=powersgd:rank=2", "feedback=none")  # its error memory and wa
         ("ps", 2, POWERSGD),
         ("colocated", 3, POWERSGD),
         ("alltoall", 3, POWERSGD),
+        ("ring", 3, ("feedback=none",)),  # top-k gossip: the public copies must resume too
     ],
 )
 def test_resume_equals_uninterrupted(tmp_path, topology, oks, extra):
