@@ -178,7 +178,14 @@ class RunContext:
         ctx._announce(model_fn is None)
         if rank == 0:
             ctx.log = MetricsLog(
-                cfg.log_dir, total, ctx.start, spe, f"psgrad {label} {cfg.topology}", cfg.tensorboard, cfg.progress
+                cfg.log_dir,
+                total,
+                ctx.start,
+                spe,
+                f"psgrad {label} {cfg.topology}",
+                cfg.tensorboard,
+                cfg.progress,
+                keep_all_rows=bool(cfg.extra.get("keep_all_rows")),
             )
         return ctx
 

@@ -70,9 +70,8 @@ class MetricsLog:
     """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar.
 
     Rows stream to disk; only the last ``ROWS_KEPT`` stay in memory (``rows``), so a long run's
-    rank 0 does not grow with every step. Without a log dir the rows in memory are the only record
-    of the run (``psgrad bench``'s time to accuracy reads them all), so all are kept. Evaluation
-    rows are few and all kept."""
+    rank 0 does not grow with every step — unless ``keep_all_rows`` (``psgrad bench``'s runs, whose
+    time to accuracy reads every row up to the target). Evaluation rows are few and all kept."""
 
     def __init__(
         self,
@@ -83,10 +82,11 @@ class MetricsLog:
         label: str,
         tensorboard: bool = False,
         progress: bool = True,
+        keep_all_rows: bool = False,
     ) -> None:
         self.dir = Path(log_dir) if log_dir else None
         self.steps_per_epoch = steps_per_epoch
-        self.rows: deque[dict] = deque(maxlen=ROWS_KEPT if log_dir else None)
+        self.rows: deque[dict] = deque(maxlen=None if keep_all_rows else ROWS_KEPT)
         self.evals: list[dict] = []
         self._files = {}
         self._writers = {}

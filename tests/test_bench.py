@@ -161,20 +161,28 @@ def test_time_to_target_excludes_evaluation_pauses():
         to_target(rows[3:], evals, 0.75)
 
 
-def test_a_run_without_log_dir_keeps_every_metrics_row(monkeypatch, tmp_path):
-    """psgrad bench's time to accuracy reads a run's rows in memory: a run of more steps than the
-    rows kept with a log dir gave the seconds of a later step (rows[s] was not step s)."""
+def test_bench_runs_keep_every_metrics_row(monkeypatch):
+    """psgrad bench's time to accuracy reads a run's rows in memory: a run of more steps than a
+    run keeps (2,000) gave the seconds of a later step (rows[s] was not step s). Bench runs keep
+    them all; other runs stay bounded (tests/test_training.py::test_memory_stays_flat_over_a_long_run)."""
     from psgrad import metrics
+    from psgrad.bench import launcher
+    from psgrad.config import RunConfig
 
     monkeypatch.setattr(metrics, "ROWS_KEPT", 5)
     kept = {}
-    for name, log_dir in (("memory", None), ("disk", tmp_path)):
-        log = metrics.MetricsLog(log_dir, 12, 0, 4, "test", progress=False)
+    for keep_all in (True, False):
+        log = metrics.MetricsLog(None, 12, 0, 4, "test", progress=False, keep_all_rows=keep_all)
         for step in range(12):
             log.step({"step": step, "loss": 1.0, "it_per_s": 1.0, "bytes_up": 0, "bytes_down": 0, "wall": float(step)})
-        kept[name] = [r["step"] for r in log.rows]
+        kept[keep_all] = [r["step"] for r in log.rows]
         log.close()
-    assert kept == {"memory": list(range(12)), "disk": list(range(7, 12))}
+    assert kept == {True: list(range(12)), False: list(range(7, 12))}
+    seen = {}
+    monkeypatch.setattr("psgrad.train.run", lambda cfg: seen.setdefault("cfg", cfg) and None)
+    with pytest.raises(AttributeError):  # the stub returns no result; the config is what matters
+        launcher.run_item("none", RunConfig(), 3, 0)
+    assert seen["cfg"].extra["keep_all_rows"] is True
 
 
 def test_target_table_ranks_by_seconds_and_says_never():

@@ -186,6 +186,7 @@ def run_item(
         cfg,
         steps=steps + warmup,
         consensus_every=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
+        extra={**cfg.extra, "keep_all_rows": True},  # to_target reads every row up to the target
         eval_every=0,
         eval_steps=eval_steps,
         eval_background=False,
