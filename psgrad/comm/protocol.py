@@ -321,6 +321,13 @@ def layer_rounds(codec: Codec, layer: Layer) -> int:
     return codec.rounds(layer.shape) if layer.compress else 1
 
 
+def add_code(total: dict[str, torch.Tensor], msg: Message) -> None:
+    """Add ``msg``'s arrays into ``total``, name by name (a multi-round codec's sum in code space;
+    the first message's arrays are copied, never kept: they may live in a reused receive buffer)."""
+    for name, arr in msg.arrays.items():
+        total[name] = total[name].add_(arr) if name in total else arr.float().clone()
+
+
 def code_message(
     layer: Layer, round_: int, arrays: dict[str, torch.Tensor], codec: Codec, step: int, sender: int, skip: bool = False
 ) -> Message:

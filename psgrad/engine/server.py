@@ -47,6 +47,7 @@ from ..comm.protocol import (
     TAG_CONTROL,
     TAG_VALUES,
     Layer,
+    add_code,
     code_message,
     copy_flat_into,
     layer_rounds,
@@ -419,9 +420,7 @@ class SyncServer(ServerBase):
             if ready.meta.get("skip"):
                 self.skipping.add(index)
             if index in self.round:  # summed in code space: the factors add, nothing is decoded
-                total = self.code_sum.setdefault(index, {})
-                for name, arr in ready.arrays.items():
-                    total[name] = total[name].add_(arr) if name in total else arr.float().clone()
+                add_code(self.code_sum.setdefault(index, {}), ready)
             else:
                 self._codec(ready).decode_add(ready, self.acc[index], alpha=1.0 / self.num_workers)
             self.count[index] += 1

@@ -26,6 +26,7 @@ from ..comm.protocol import (
     GradientGate,
     Layer,
     StepStats,
+    add_code,
     buffers_vector,
     copy_flat_into,
     encode_gradient,
@@ -156,8 +157,7 @@ class PeerRole(Role):
             if msg.meta.get("skip"):
                 self.skipping.add(layer.index)
             if multi:  # summed in code space, in rank order
-                for name, arr in msg.arrays.items():
-                    code_sum[name] = code_sum[name].add_(arr) if name in code_sum else arr.float().clone()
+                add_code(code_sum, msg)
             else:
                 make_codec(msg.codec, **msg.params).decode_add(msg, acc, alpha=1.0 / self.size)
         if multi:
