@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -202,6 +203,34 @@ def server(**options) -> None:
 def worker(**options) -> None:
     """The worker part of an MPMD launch (same options as the server part)."""
     _train("worker", options)
+
+
+@main.command(cls=SectionedCommand)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=4,
+    help="Workers to simulate; the ps topology adds its --servers ranks, the others run one rank per worker.",
+)
+@run_options
+@config_option
+def simulate(workers: int, **options) -> None:
+    """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
+    from .simulate import simulate as run_simulation
+    from .simulate import world_size
+    from .startup import launched_ranks
+
+    if launched_ranks() > 1:
+        raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
+    cfg = config_from(with_config(options, options.pop("config_path", None)))
+    try:
+        world_size(cfg, workers)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    try:
+        run_simulation(cfg, workers)
+    except Exception:  # the failing rank printed its error and traceback (train.run)
+        sys.exit(1)
 
 
 @main.command()

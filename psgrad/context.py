@@ -13,6 +13,7 @@ import importlib.metadata
 import math
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -25,7 +26,7 @@ from . import checkpoint
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
-from .comm.transport import Transport, mpi_library
+from .comm.transport import Transport
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
@@ -34,6 +35,10 @@ from .models import build_model
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_GLOBAL_RNG = threading.Lock()
+"""Held while a model is built from torch's global generator: simulated ranks share a process,
+and one rank seeding while another draws its initial weights would give them different models."""
 
 
 class _IterLoader:
@@ -122,14 +127,15 @@ class RunContext:
         torch.set_num_threads(cfg.threads)
         layout = RankLayout(transport.size, cfg.servers, cfg.topology)
         rank = transport.rank
-        torch.manual_seed(cfg.seed)  # same initial model on every rank
-        model = (
-            model_fn()
-            if model_fn
-            else build_model(
-                cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
+        with _GLOBAL_RNG:
+            torch.manual_seed(cfg.seed)  # same initial model on every rank
+            model = (
+                model_fn()
+                if model_fn
+                else build_model(
+                    cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
+                )
             )
-        )
         named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         layers = plan_layers(
             named, cfg.granularity, layout.server_ranks, cfg.bucket_vectors, cost=_coded_bytes(cfg.codec)
@@ -197,7 +203,7 @@ class RunContext:
         roles = ", ".join(f"{r}={layout.role_name(r)}:{pid}" for r, pid in enumerate(pids))
         print(f"[psgrad] rank=role:pid {roles}", file=sys.stderr)
         if cfg.log_dir:
-            cfg.save(cfg.log_dir, _run_facts(self.transport.size))
+            cfg.save(cfg.log_dir, _run_facts(self.transport))
         servers = len(layout.server_ranks)
         model = cfg.model if named_model else type(self.model).__name__
         params = sum(p.numel() for p in self.model.parameters())
@@ -349,13 +355,13 @@ class RunContext:
         return state
 
 
-def _run_facts(world_size: int) -> dict:
+def _run_facts(transport: Transport) -> dict:
     """What config.json records of the run itself (not settings): who, where, with what."""
     return {
-        "world_size": world_size,
+        "world_size": transport.size,
         "psgrad": importlib.metadata.version("psgrad"),
         "torch": torch.__version__,
-        "mpi": mpi_library(),
+        "mpi": transport.library(),
         "host": socket.gethostname(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }

@@ -82,6 +82,8 @@ def run(
     try:
         result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where)
     except BaseException as err:
+        if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
+            raise
         print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         if transport.size > 1:

@@ -176,6 +176,9 @@ class Backoff:
 class Transport:
     """Point-to-point and collective non-blocking messaging on one communicator."""
 
+    separate_processes = True
+    """Each rank is a process of its own (comm/local.py's ranks share one)."""
+
     def __init__(self, comm: MPI.Comm | None = None) -> None:
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
@@ -194,6 +197,10 @@ class Transport:
         """Release a communicator made by ``dup`` (collective over its ranks, like ``dup``)."""
         if self.comm != MPI.COMM_WORLD:
             self.comm.Free()
+
+    def library(self) -> str:
+        """What carries the messages (for config.json)."""
+        return mpi_library()
 
     def check_tag(self, tag: int) -> None:
         if tag > self.comm.Get_attr(MPI.TAG_UB):

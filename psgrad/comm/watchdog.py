@@ -83,7 +83,7 @@ class Watchdog:
 
     # ---------------------------------------------------------------- main thread
     def start(self) -> Watchdog:
-        if self.size > 1:
+        if self.size > 1 and self.world.separate_processes:
             # one name per job for the sentinels' first-death claim: rank 0's pid and clock
             job = self.world.broadcast_bytes(f"{os.getpid()}-{time.time_ns()}".encode()).decode()
             directory = Path(self.claim_dir) if self.claim_dir else Path(tempfile.gettempdir())

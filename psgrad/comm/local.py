@@ -1,0 +1,305 @@
+"""Every rank of a job in one process: the in-process transport behind ``psgrad simulate``.
+
+``LocalTransport`` has the interface of ``transport.Transport``, so every role runs unchanged on
+it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
+1. A send is buffered at once (it completes immediately); it fills the first receive the
+   destination posted for that source and tag on that communicator, or waits in the
+   destination's queue of unexpected messages, in arrival order. So messages between two ranks
+   never overtake each other, as in MPI, and the bytes received are the bytes sent.
+2. A collective is the k-th collective call of each rank on a communicator; it completes once
+   every rank made its k-th call. Results combine the ranks' parts in rank order.
+3. A communicator is a name: ``dup`` of the k-th kind on every rank gives the same name, so no
+   rank waits for another to duplicate one.
+4. Failure: when a rank's thread fails, the world is marked failed and every other rank's next
+   poll raises ``OtherRankFailed``, so no thread is left waiting for a rank that has gone.
+5. Hangs: when no message or collective has completed for the stall timeout while every rank
+   still running kept polling, they all wait for each other: every poll raises ``Stalled``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .transport import Backoff, Handle, Idle, Patience, PeerFailure, Transport
+
+_RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
+
+
+class OtherRankFailed(PeerFailure):
+    """Another simulated rank failed first: it reported its error; this rank just stops."""
+
+    reported_elsewhere = True
+
+
+class Stalled(PeerFailure):
+    """Every simulated rank has been waiting for the others for the whole stall timeout."""
+
+
+@dataclass
+class _Collective:
+    parts: dict[int, object] = field(default_factory=dict)
+    readers: int = 0
+
+
+class LocalWorld:
+    """What the ranks of one simulated job share: mailboxes, collectives and their fate."""
+
+    def __init__(self, size: int, stall_timeout: float = 60.0) -> None:
+        self.size = size
+        self.stall_timeout = stall_timeout
+        self.lock = threading.Lock()
+        self.unexpected: dict[tuple, deque] = {}  # (comm, destination) -> (source, tag, bytes)
+        self.posted: dict[tuple, list[LocalHandle]] = {}  # (comm, destination) -> receives, in post order
+        self.collectives: dict[tuple, _Collective] = {}  # (comm, k) -> the parts so far
+        self.failure: str | None = None
+        self.progress_at = time.monotonic()
+        self.polled = [0.0] * size
+        self.running = set(range(size))
+
+    def fail(self, reason: str) -> None:
+        """The job failed (``reason``, e.g. "rank 2 failed: ..."): every rank stops at its next poll."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason
+
+    def finished(self, rank: int) -> None:
+        with self.lock:
+            self.running.discard(rank)
+
+    def check(self, rank: int) -> None:
+        """Raise if the job failed or stalled (called by every poll that found nothing)."""
+        if self.failure is not None:
+            raise OtherRankFailed(f"stopping: {self.failure}")
+        now = time.monotonic()
+        self.polled[rank] = now
+        if now - self.progress_at > self.stall_timeout and all(
+            now - self.polled[r] < _RECENT_POLL for r in list(self.running)
+        ):
+            self.fail("the job stalled")
+            raise Stalled(
+                f"no message or collective completed for {self.stall_timeout:.0f} s while every rank was "
+                "waiting for another: the simulated job hangs"
+            )
+
+    def progressed(self) -> None:
+        self.progress_at = time.monotonic()
+
+
+@dataclass(eq=False)
+class LocalHandle(Handle):
+    """A pending local operation: a receive fills when a send matches it; a collective completes
+    when the last rank joins it (``on_done`` then fills the caller's outputs)."""
+
+    world: LocalWorld | None = None
+    rank: int = 0
+    arrived: int = -1  # a receive: the bytes delivered into ``buffer`` (set by the sender's thread)
+    collective: tuple | None = None
+    on_done: Callable[[dict], None] | None = None
+    key_comm: tuple = ()  # a receive: the communicator it was posted on
+
+    __eq__ = object.__eq__  # identity: a handle is found in the posted list by itself, not its fields
+    __hash__ = object.__hash__
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        world = self.world
+        if self.collective is not None:
+            with world.lock:
+                entry = world.collectives.get(self.collective)
+                complete = entry is not None and len(entry.parts) == world.size
+                if complete:
+                    entry.readers += 1
+                    if entry.readers == world.size:
+                        del world.collectives[self.collective]
+            if complete:
+                self.on_done(entry.parts)
+                self._complete()
+                return True
+        elif self.arrived >= 0:
+            self.count = self.arrived
+            self._complete()
+            return True
+        world.check(self.rank)
+        return False
+
+    def cancel(self) -> None:
+        if not self.done:
+            with self.world.lock:
+                queue = self.world.posted.get((self.key_comm, self.rank), [])
+                if self in queue:
+                    queue.remove(self)
+        self.finished = self.finished or time.perf_counter()
+
+    def _complete(self) -> None:
+        self.finished = time.perf_counter()
+        if self.arrived >= 0 and self.transport is not None:  # a receive
+            self.transport.bytes_received += self.count
+
+
+class LocalTransport(Transport):
+    """Rank ``rank`` of ``world``, with the interface of the MPI ``Transport``."""
+
+    separate_processes = False
+
+    def __init__(self, world: LocalWorld, rank: int, comm: tuple = ("world",)) -> None:
+        self.world = world
+        self.comm_name = comm
+        self.rank = rank
+        self.size = world.size
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.idle_seconds = 0.0
+        self._collectives = 0
+        self._dups = 0
+
+    def dup(self) -> LocalTransport:
+        self._dups += 1
+        return LocalTransport(self.world, self.rank, (*self.comm_name, "dup", self._dups))
+
+    def free(self) -> None:
+        """Nothing to release: a local communicator is a name."""
+
+    def check_tag(self, tag: int) -> None:
+        """Any tag fits: there is no MPI tag range here."""
+
+    def library(self) -> str:
+        return "none (psgrad simulate: every rank in one process)"
+
+    # ---------------------------------------------------------------- point to point
+    def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
+        world, box = self.world, (self.comm_name, dest)
+        payload = bytes(data)
+        with world.lock:
+            waiting = world.posted.get(box, [])
+            match = next((h for h in waiting if h.peer == self.rank and h.tag == tag), None)
+            if match is None:
+                world.unexpected.setdefault(box, deque()).append((self.rank, tag, payload))
+            else:
+                waiting.remove(match)
+                _deliver(match, payload)
+                world.progressed()
+        self.bytes_sent += len(payload)
+        handle = LocalHandle(None, data, dest, tag, key, len(payload), self, world=world, rank=self.rank)
+        handle.finished = time.perf_counter()
+        return handle
+
+    def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
+        buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
+        handle = LocalHandle(None, buf, source, tag, key, -1, self, world=self.world, rank=self.rank)
+        handle.key_comm = self.comm_name
+        world, box = self.world, (self.comm_name, self.rank)
+        with world.lock:
+            queue = world.unexpected.get(box, ())
+            found = next((m for m in queue if m[0] == source and m[1] == tag), None)
+            if found is None:
+                world.posted.setdefault(box, []).append(handle)
+            else:
+                queue.remove(found)
+                _deliver(handle, found[2])
+                world.progressed()
+        return handle
+
+    def test_some(self, handles: Sequence[Handle]) -> list[int]:
+        return [i for i, handle in enumerate(handles) if not handle.done and handle.test()]
+
+    def wait_some(
+        self,
+        handles: Sequence[Handle],
+        timeout: float | None = None,
+        patience: Patience | None = None,
+        idle: Idle | None = None,
+    ) -> list[int]:
+        backoff, start = Backoff(patience or Patience()), time.perf_counter()
+        while not all(handle.done for handle in handles):
+            done = self.test_some(handles)
+            if done or (idle is not None and idle()):
+                break
+            if timeout is not None and time.perf_counter() - start > timeout:
+                break
+            backoff.idle()
+        else:
+            done = []
+        self.idle_seconds += backoff.slept
+        return done
+
+    # ---------------------------------------------------------------- collectives
+    def _join(self, part: object, on_done: Callable[[dict], None]) -> LocalHandle:
+        """This rank's next collective on this communicator, with its ``part``."""
+        name = (self.comm_name, self._collectives)
+        self._collectives += 1
+        world = self.world
+        with world.lock:
+            entry = world.collectives.setdefault(name, _Collective())
+            entry.parts[self.rank] = part
+            if len(entry.parts) == world.size:
+                world.progressed()
+        return LocalHandle(
+            None, b"", -1, -1, None, 0, self, world=world, rank=self.rank, collective=name, on_done=on_done
+        )
+
+    def _collect(self, part: object, idle: Idle | None = None) -> list:
+        """Every rank's ``part``, in rank order (blocking)."""
+        result: list = []
+        self._join(part, lambda parts: result.extend(parts[r] for r in range(self.size))).wait(idle)
+        return result
+
+    def iallgather_sizes(self, nbytes: int) -> tuple[Handle, np.ndarray]:
+        sizes = np.zeros(self.size, dtype=np.int64)
+
+        def fill(parts: dict) -> None:
+            sizes[:] = [parts[r] for r in range(self.size)]
+
+        return self._join(int(nbytes), fill), sizes
+
+    def iallgatherv_bytes(self, data: bytes, sizes: np.ndarray) -> tuple[Handle, bytearray, np.ndarray]:
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = bytearray(int(sizes.sum()))
+
+        def fill(parts: dict) -> None:
+            out[:] = b"".join(parts[r] for r in range(self.size))
+
+        self.bytes_sent += len(data) * (self.size - 1)
+        self.bytes_received += int(sizes.sum()) - len(data)
+        return self._join(bytes(data), fill), out, offsets
+
+    def allreduce_sum(self, values: Sequence[float], idle: Idle | None = None) -> np.ndarray:
+        parts = self._collect(np.asarray(values, dtype=np.float64), idle)
+        total = parts[0].copy()
+        for part in parts[1:]:  # rank order: the same sum on every rank
+            total += part
+        return total
+
+    def all_pids(self) -> list[int]:
+        return self._collect(os.getpid())
+
+    def barrier(self) -> None:
+        self._collect(None)
+
+    def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        return self._collect(bytes(data) if self.rank == root and data is not None else None)[root] or b""
+
+    def local_rank(self, group: int = 0) -> int:
+        groups = self._collect(group)
+        return sum(1 for r in range(self.rank) if groups[r] == group)
+
+    def abort(self, code: int = 1) -> None:
+        """Stop the other ranks (their next poll raises); this rank's own error goes on up."""
+        self.world.fail(f"rank {self.rank} failed")
+
+
+def _deliver(receive: LocalHandle, payload: bytes) -> None:
+    if len(payload) > len(receive.buffer):
+        raise PeerFailure(
+            f"a {len(payload)}-byte message for rank {receive.rank} (tag {receive.tag}) does not fit the "
+            f"{len(receive.buffer)}-byte receive it matched"
+        )
+    receive.buffer[: len(payload)] = payload
+    receive.arrived = len(payload)

@@ -1,0 +1,88 @@
+"""``psgrad simulate``: a whole job, N workers and its servers, as threads of one process.
+
+1. The topology's rank layout for ``workers`` workers gives the number of ranks (the ps topology
+   adds its ``--servers`` ranks).
+2. The ranks share one ``comm.local.LocalWorld``. Each rank runs ``train.run`` in a thread of its
+   own, on its ``LocalTransport``: the roles, codecs, feedback, optimizers and metrics are the
+   ones an MPI job runs, so the same seed and settings give the same trajectory (up to the order
+   of floating-point sums, as between two MPI runs).
+3. Bytes are counted as they would go on the wire: every message is the wire format's bytes.
+4. When one rank fails, the others stop at their next wait; its error is raised here. A job
+   whose ranks all wait for each other for ``--timeout`` seconds (default 60) is ended.
+
+Torch runs each rank's operations in that rank's thread and releases the GIL inside them, so the
+ranks compute in parallel on the machine's cores; ``--threads`` stays the torch threads per rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch.nn.functional as F
+from torch import nn
+
+from .comm.local import LocalTransport, LocalWorld
+from .comm.protocol import RankLayout
+from .config import RunConfig
+from .context import LossFn
+from .optim import OptimizerFn
+from .train import RunResult, run
+
+DEFAULT_STALL = 60.0
+
+
+def world_size(cfg: RunConfig, workers: int) -> int:
+    """The ranks a job of ``workers`` workers takes with ``cfg``'s topology and servers."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    size = workers + (cfg.servers if RankLayout(cfg.servers + 1, cfg.servers, cfg.topology).kind == "separate" else 0)
+    RankLayout(size, cfg.servers, cfg.topology)  # the topology's own checks
+    return size
+
+
+def simulate(
+    cfg: RunConfig,
+    workers: int,
+    model_fn: Callable[[], nn.Module] | None = None,
+    loader_fn: Callable[[int, int], object] | None = None,
+    eval_data: Iterable | None = None,
+    loss_fn: LossFn = F.cross_entropy,
+    optimizer_fn: OptimizerFn | None = None,
+) -> list[RunResult]:
+    """Run ``cfg`` with ``workers`` workers in this process; every rank's result, by rank.
+
+    The arguments are ``train.run``'s (each rank calls it with them). Raises the first error any
+    rank hit."""
+    size = world_size(cfg, workers)
+    world = LocalWorld(size, cfg.timeout or DEFAULT_STALL)
+    results: list[RunResult | None] = [None] * size
+    errors: list[BaseException] = []
+
+    def play(rank: int) -> None:
+        try:
+            results[rank] = run(cfg, model_fn, loader_fn, eval_data, loss_fn, LocalTransport(world, rank), optimizer_fn)
+        except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread below
+            if not getattr(err, "reported_elsewhere", False):
+                errors.append(err)
+            world.fail(f"rank {rank} failed: {type(err).__name__}: {err}")
+        finally:
+            world.finished(rank)
+
+    threads = [threading.Thread(target=play, args=(r,), name=f"psgrad-rank-{r}", daemon=True) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)  # in slices: Ctrl-C reaches this thread between them
+    except KeyboardInterrupt:
+        world.fail("interrupted")
+        deadline = time.monotonic() + 10.0
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        raise
+    if errors:
+        raise errors[0]
+    return results  # type: ignore[return-value]

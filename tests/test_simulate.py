@@ -1,0 +1,180 @@
+"""psgrad simulate: every rank in one process, on the in-process transport (comm/local.py).
+
+The simulation is a stand-in for an MPI job only if it follows the same trajectory, so the central
+test runs both and compares them step for step; the others pin down the transport's MPI semantics
+(ordering, matching, collectives in rank order) and that a failing or hung rank ends the job.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_bounded, run_mpi
+
+from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
+from psgrad.comm.transport import PeerFailure
+from psgrad.config import RunConfig
+from psgrad.simulate import simulate, world_size
+
+SMALL = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "16", "--dataset", "synthetic"]
+
+
+def _metrics(log_dir) -> list[dict]:
+    with open(log_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    "topology, workers, codec",
+    [("ps", 2, "none"), ("alltoall", 3, "none"), ("ps", 2, "qsgd:levels=16"), ("ring", 3, "sign")],
+)
+def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers, codec):
+    options = [*SMALL, "--steps", "5", "--topology", topology, "--codec", codec, "--no-progress"]
+    mpi, sim = tmp_path / "mpi", tmp_path / "sim"
+    done = run_mpi([sys.executable, "-m", "psgrad", "train", *options, "--log-dir", str(mpi)], n=3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_bounded(
+        [sys.executable, "-m", "psgrad", "simulate", "--workers", str(workers), *options, "--log-dir", str(sim)], 240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows_mpi, rows_sim = _metrics(mpi), _metrics(sim)
+    assert [r["step"] for r in rows_sim] == [str(s) for s in range(5)]
+    for a, b in zip(rows_mpi, rows_sim, strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6, abs=1e-7)
+        assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])
+    model_mpi = torch.load(mpi / "model.pt", weights_only=True)
+    model_sim = torch.load(sim / "model.pt", weights_only=True)
+    assert model_mpi.keys() == model_sim.keys()
+    for name, value in model_mpi.items():
+        torch.testing.assert_close(model_sim[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_thirty_two_workers_train_a_small_model():
+    cfg = RunConfig(
+        model="convnet", batch_size=4, steps=4, dataset="synthetic", codec="topk:ratio=0.05",
+        feedback="ef", progress=False, timeout=60, eval_every=0,
+    )  # fmt: skip
+    results = simulate(cfg, 32)
+    assert len(results) == 33 and results[0].role == "server"
+    rows = results[0].rows
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(np.isfinite(row["loss"]) for row in rows)
+    # every one of the 32 workers sent its coded gradient: 32x what one worker sends
+    one = simulate(RunConfig(**{**cfg.__dict__, "steps": 1}), 1)[0].rows[0]["bytes_up"]
+    assert rows[0]["bytes_up"] == pytest.approx(32 * one, rel=0.02)
+    # the workers end on the same model (synchronous ps): any two agree
+    first, last = results[1].params, results[32].params
+    for name in first:
+        torch.testing.assert_close(first[name], last[name])
+
+
+def test_world_size_adds_the_servers_of_the_ps_topology():
+    assert world_size(RunConfig(topology="ps", servers=2), 16) == 18
+    assert world_size(RunConfig(topology="alltoall"), 16) == 16
+    with pytest.raises(ValueError, match="--workers"):
+        world_size(RunConfig(), 0)
+
+
+def test_a_failing_rank_ends_every_rank_with_its_own_error():
+    class Boom(RuntimeError):
+        pass
+
+    def loader_fn(index: int, workers: int):
+        if index == 1:
+            raise Boom("no data for worker 1")
+        from psgrad.data import ShardLoader, load_dataset
+
+        return ShardLoader(load_dataset("synthetic", "train"), "synthetic", index, workers, 8, 0)
+
+    cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30)
+    with pytest.raises(Boom, match="worker 1"):
+        simulate(cfg, 3, loader_fn=loader_fn)
+
+
+# ---------------------------------------------------------------------- the transport itself
+def _ranks(size: int, body, stall: float = 30.0) -> list:
+    """Run ``body(transport)`` on ``size`` local ranks in threads; their results or exceptions."""
+    world = LocalWorld(size, stall)
+    out: list = [None] * size
+
+    def play(rank: int) -> None:
+        try:
+            out[rank] = body(LocalTransport(world, rank))
+        except Exception as err:  # noqa: BLE001 -- inspected by the test
+            out[rank] = err
+            world.fail(f"rank {rank}: {err}")
+        finally:
+            world.finished(rank)
+
+    threads = [threading.Thread(target=play, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a local rank hangs"
+    return out
+
+
+def test_messages_between_two_ranks_arrive_in_order_and_match_by_tag():
+    def body(t: LocalTransport):
+        if t.rank == 0:
+            for i in range(5):
+                t.isend(bytes([i]) * (i + 1), 1, tag=3)
+            t.isend(b"other", 1, tag=4)
+            return None
+        other = t.irecv(16, 0, 4).wait()  # posted after the tag-3 messages arrived: matches by tag
+        got = [bytes(t.irecv(16, 0, 3).wait().payload()) for _ in range(5)]
+        return bytes(other.payload()), got, t.bytes_received
+
+    _, (other, got, received) = _ranks(2, body)
+    assert other == b"other"
+    assert got == [bytes([i]) * (i + 1) for i in range(5)]
+    assert received == 5 + sum(range(1, 6))
+
+
+def test_a_message_larger_than_its_receive_is_an_error():
+    def body(t: LocalTransport):
+        if t.rank == 1:
+            t.irecv(4, 0, 1)
+            t.barrier()
+            return None
+        t.barrier()
+        return t.isend(b"too long", 1, 1)
+
+    out = _ranks(2, body)
+    assert isinstance(out[0], PeerFailure) and "does not fit" in str(out[0])
+
+
+def test_collectives_combine_in_rank_order_and_dup_separates_them():
+    def body(t: LocalTransport):
+        dup = t.dup()
+        handle, sizes = dup.iallgather_sizes(t.rank + 1)
+        total = t.allreduce_sum([t.rank, 1.0])  # on the world: not matched with the dup's gather
+        handle.wait()
+        gathered, data, _ = t.iallgatherv_bytes(bytes([t.rank]) * (t.rank + 1), sizes)
+        gathered.wait()
+        root = t.broadcast_bytes(b"from 2" if t.rank == 2 else None, root=2)
+        return total.tolist(), sizes.tolist(), bytes(data), root, t.local_rank(group=t.rank % 2)
+
+    for rank, (total, sizes, data, root, local) in enumerate(_ranks(3, body)):
+        assert total == [3.0, 3.0]
+        assert sizes == [1, 2, 3]
+        assert data == b"\x00\x01\x01\x02\x02\x02"
+        assert root == b"from 2"
+        assert local == {0: 0, 1: 0, 2: 1}[rank]
+
+
+def test_ranks_that_all_wait_for_each_other_are_stopped():
+    out = _ranks(2, lambda t: t.irecv(8, 1 - t.rank, 1).wait(), stall=0.5)
+    assert any(isinstance(err, Stalled) for err in out)
+    assert all(isinstance(err, (Stalled, OtherRankFailed)) for err in out)
+
+
+def test_the_cli_refuses_to_run_under_mpiexec():
+    done = run_bounded([sys.executable, "-m", "psgrad", "simulate", "--steps", "1"], 60, env={"PMI_SIZE": "2"})
+    assert done.returncode == 2 and "without mpiexec" in done.stderr
