@@ -212,9 +212,15 @@ def worker(**options) -> None:
     default=4,
     help="Workers to simulate; the ps topology adds its --servers ranks, the others run one rank per worker.",
 )
+@click.option(
+    "--cores",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks that compute at the same time (each with --threads torch threads) [default: the cores this process may use].",
+)
 @run_options
 @config_option
-def simulate(workers: int, **options) -> None:
+def simulate(workers: int, cores: int | None, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
     from .simulate import simulate as run_simulation
     from .simulate import world_size
@@ -228,7 +234,7 @@ def simulate(workers: int, **options) -> None:
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     try:
-        run_simulation(cfg, workers)
+        run_simulation(cfg, workers, cores=cores)
     except Exception:  # the failing rank printed its error and traceback (train.run)
         sys.exit(1)
 

@@ -50,17 +50,19 @@ def simulate(
     eval_data: Iterable | None = None,
     loss_fn: LossFn = F.cross_entropy,
     optimizer_fn: OptimizerFn | None = None,
+    cores: int | None = None,
 ) -> list[RunResult]:
     """Run ``cfg`` with ``workers`` workers in this process; every rank's result, by rank.
 
-    The arguments are ``train.run``'s (each rank calls it with them). Raises the first error any
-    rank hit."""
+    The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
+    at a time (default: the cores this process may use). Raises the first error any rank hit."""
     size = world_size(cfg, workers)
-    world = LocalWorld(size, cfg.timeout or DEFAULT_STALL)
+    world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
     results: list[RunResult | None] = [None] * size
     errors: list[BaseException] = []
 
     def play(rank: int) -> None:
+        world.enter(rank)
         try:
             results[rank] = run(cfg, model_fn, loader_fn, eval_data, loss_fn, LocalTransport(world, rank), optimizer_fn)
         except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread below
@@ -69,6 +71,7 @@ def simulate(
             world.fail(f"rank {rank} failed: {type(err).__name__}: {err}")
         finally:
             world.finished(rank)
+            world.leave(rank)
 
     threads = [threading.Thread(target=play, args=(r,), name=f"psgrad-rank-{r}", daemon=True) for r in range(size)]
     for thread in threads:

@@ -14,6 +14,13 @@ it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
    poll raises ``OtherRankFailed``, so no thread is left waiting for a rank that has gone.
 5. Hangs: when no message or collective has completed for the stall timeout while every rank
    still running kept polling, they all wait for each other: every poll raises ``Stalled``.
+6. Waiting sleeps until news: a rank blocks on its condition variable until a message is
+   delivered to it or a collective completes (or, when its wait has idle work, a millisecond),
+   instead of polling with back-off sleeps as the MPI transport must.
+7. Core tokens: a rank runs only while it holds one of as many tokens as the process has cores
+   (``enter``/``leave``), and gives it up while it sleeps. Seventeen threads running torch's
+   small operations at once fought over the GIL: 95,000 futex calls a step, 40 % of the CPU
+   in the kernel, on a 16-worker simulation.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .transport import Backoff, Handle, Idle, Patience, PeerFailure, Transport
+from .transport import Handle, Idle, Patience, PeerFailure, Transport
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
+_BLOCK = 0.5  # seconds a wait sleeps without news before it polls again (and checks for a stall)
+_IDLE_BLOCK = 1e-3  # the same for a wait with idle work to do between polls
 
 
 class OtherRankFailed(PeerFailure):
@@ -51,8 +60,10 @@ class _Collective:
 class LocalWorld:
     """What the ranks of one simulated job share: mailboxes, collectives and their fate."""
 
-    def __init__(self, size: int, stall_timeout: float = 60.0) -> None:
+    def __init__(self, size: int, stall_timeout: float = 60.0, cores: int | None = None) -> None:
         self.size = size
+        self.cores = threading.Semaphore(cores or len(os.sched_getaffinity(0)))
+        self.holds = [False] * size
         self.stall_timeout = stall_timeout
         self.lock = threading.Lock()
         self.unexpected: dict[tuple, deque] = {}  # (comm, destination) -> (source, tag, bytes)
@@ -62,12 +73,46 @@ class LocalWorld:
         self.progress_at = time.monotonic()
         self.polled = [0.0] * size
         self.running = set(range(size))
+        self.news = [threading.Condition(self.lock) for _ in range(size)]
+        self.epoch = [0] * size  # per rank: how many times news came for it
+
+    def notify(self, ranks: range | list[int]) -> None:
+        """News for ``ranks`` (call with the lock held): a delivery or a completed collective."""
+        self.progress_at = time.monotonic()
+        for rank in ranks:
+            self.epoch[rank] += 1
+            self.news[rank].notify_all()
+
+    def sleep(self, rank: int, epoch: int, timeout: float) -> float:
+        """Block until news for ``rank`` newer than ``epoch`` came, at most ``timeout`` seconds; the
+        seconds slept. A rank that runs on a core token gives it up meanwhile."""
+        start = time.perf_counter()
+        token = self.holds[rank]
+        if token:
+            self.leave(rank)
+        with self.lock:
+            if self.epoch[rank] == epoch and self.failure is None:
+                self.news[rank].wait(timeout)
+        if token:
+            self.enter(rank)
+        return time.perf_counter() - start
+
+    def enter(self, rank: int) -> None:
+        """Rank ``rank`` starts to run: it takes a core token (waits for one)."""
+        self.cores.acquire()
+        self.holds[rank] = True
+
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` stops running (it waits or ended): its core token goes to another rank."""
+        self.holds[rank] = False
+        self.cores.release()
 
     def fail(self, reason: str) -> None:
         """The job failed (``reason``, e.g. "rank 2 failed: ..."): every rank stops at its next poll."""
         with self.lock:
             if self.failure is None:
                 self.failure = reason
+            self.notify(range(self.size))
 
     def finished(self, rank: int) -> None:
         with self.lock:
@@ -88,8 +133,6 @@ class LocalWorld:
                 "waiting for another: the simulated job hangs"
             )
 
-    def progressed(self) -> None:
-        self.progress_at = time.monotonic()
 
 
 @dataclass(eq=False)
@@ -129,6 +172,20 @@ class LocalHandle(Handle):
             return True
         world.check(self.rank)
         return False
+
+    def wait(self, idle: Idle | None = None, patience: Patience | None = None) -> Handle:
+        """Block until done, asleep until news for this rank (``idle`` runs between polls)."""
+        world, slept = self.world, 0.0
+        while True:
+            epoch = world.epoch[self.rank]
+            if self.test():
+                break
+            if idle is not None and idle():
+                continue
+            slept += world.sleep(self.rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
+        if self.transport is not None:
+            self.transport.idle_seconds += slept
+        return self
 
     def cancel(self) -> None:
         if not self.done:
@@ -185,7 +242,7 @@ class LocalTransport(Transport):
             else:
                 waiting.remove(match)
                 _deliver(match, payload)
-                world.progressed()
+                world.notify([dest])
         self.bytes_sent += len(payload)
         handle = LocalHandle(None, data, dest, tag, key, len(payload), self, world=world, rank=self.rank)
         handle.finished = time.perf_counter()
@@ -204,7 +261,6 @@ class LocalTransport(Transport):
             else:
                 queue.remove(found)
                 _deliver(handle, found[2])
-                world.progressed()
         return handle
 
     def test_some(self, handles: Sequence[Handle]) -> list[int]:
@@ -217,17 +273,17 @@ class LocalTransport(Transport):
         patience: Patience | None = None,
         idle: Idle | None = None,
     ) -> list[int]:
-        backoff, start = Backoff(patience or Patience()), time.perf_counter()
+        """As the MPI transport's, asleep until news for this rank (``patience`` has no use here)."""
+        start, done = time.perf_counter(), []
         while not all(handle.done for handle in handles):
+            epoch = self.world.epoch[self.rank]
             done = self.test_some(handles)
             if done or (idle is not None and idle()):
                 break
-            if timeout is not None and time.perf_counter() - start > timeout:
+            left = _BLOCK if timeout is None else timeout - (time.perf_counter() - start)
+            if left <= 0:
                 break
-            backoff.idle()
-        else:
-            done = []
-        self.idle_seconds += backoff.slept
+            self.idle_seconds += self.world.sleep(self.rank, epoch, min(left, _BLOCK if idle is None else _IDLE_BLOCK))
         return done
 
     # ---------------------------------------------------------------- collectives
@@ -240,7 +296,7 @@ class LocalTransport(Transport):
             entry = world.collectives.setdefault(name, _Collective())
             entry.parts[self.rank] = part
             if len(entry.parts) == world.size:
-                world.progressed()
+                world.notify(range(world.size))
         return LocalHandle(
             None, b"", -1, -1, None, 0, self, world=world, rank=self.rank, collective=name, on_done=on_done
         )
