@@ -161,11 +161,23 @@ def _measure(specs: Sequence[str], shapes: list[tuple[int, ...]], repeat: int, s
     return rows
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def machine() -> dict[str, str | int]:
     """What the figures were measured on."""
     return {
         "machine": platform.machine(),
-        "processor": platform.processor() or "unknown",
+        "processor": cpu_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

@@ -134,7 +134,6 @@ class LocalWorld:
             )
 
 
-
 @dataclass(eq=False)
 class LocalHandle(Handle):
     """A pending local operation: a receive fills when a send matches it; a collective completes

@@ -1,0 +1,135 @@
+"""How fast ``psgrad simulate`` runs N workers, against one worker training alone on the same
+total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --codecs none,sign``.
+
+1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9),
+   once with one torch thread (a psgrad worker's default) and once with one thread per core.
+   Its rate is the median step time's inverse.
+2. Simulated: ``simulate`` with N workers of batch B, for each codec, once with one core
+   (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
+   median step rate after the first five steps.
+3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
+   is CPU time: compute = N x (forward + backward); coding = N x (encode + decode) + the server's
+   decode (and summing); optimizer = the server's apply + N x the workers' apply; the rest of the
+   step is bookkeeping (messaging, hooks, handing the core from rank to rank).
+The dataset is the synthetic default, so the accuracies it prints are the synthetic set's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..config import RunConfig
+from ..data import ShardLoader, load_dataset
+from ..models import build_model
+from ..simulate import simulate
+from .codecbench import cpu_name
+
+WARMUP = 5
+
+
+def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
+    """Steps per second of one model trained alone on batches of ``total_batch``."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor)
+    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+    loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        images, labels = loader.batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return 1.0 / statistics.median(times[WARMUP:])
+
+
+def simulated(cfg: RunConfig, workers: int, cores: int) -> dict:
+    """Rate, phase breakdown (ms per step) and final loss of one simulation."""
+    result = simulate(cfg, workers, cores=cores)[0]
+    rows = result.rows[WARMUP:]
+    rate = 1.0 / statistics.median(1.0 / row["it_per_s"] for row in rows)
+
+    def ms(key: str, times: int = 1) -> float:
+        """A worker phase's median over steps (the row holds the workers' mean), x ``times``."""
+        return 1000.0 * times * statistics.median(row.get(key, 0.0) for row in rows)
+
+    def server_ms(key: str) -> float:
+        """A server phase's mean per step (the row holds its running total)."""
+        return 1000.0 * (rows[-1][key] - rows[0][key]) / (len(rows) - 1)
+
+    compute = ms("forward", workers) + ms("backward", workers)
+    coding = ms("encode", workers) + ms("decode", workers) + server_ms("server_decode")
+    optimizer = server_ms("server_apply") + ms("apply", workers)
+    step = 1000.0 / rate
+    return {
+        "rate": rate,
+        "compute": compute,
+        "coding": coding,
+        "optimizer": optimizer,
+        "rest": step - compute - coding - optimizer,
+        "loss": result.rows[-1]["loss"],
+    }
+
+
+def report(workers: int, batch: int, codecs: list[str], steps: int, base: RunConfig) -> str:
+    """The markdown tables of one measurement (see the module docstring)."""
+    cores = len(os.sched_getaffinity(0))
+    one = alone(base, workers * batch, steps, 1)
+    every = alone(base, workers * batch, steps, cores)
+    lines = [
+        f"{cpu_name()}, {cores} cores, torch {torch.__version__}; {base.model} (depth {base.depth}, "
+        f"width {base.widen_factor}), synthetic data, {steps} steps",
+        "",
+        f"Alone, batch {workers * batch}: {one:.2f} it/s with 1 thread, {every:.2f} it/s with {cores}.",
+        "",
+        f"| codec | {workers}x{batch} simulated, 1 core | ratio to alone, 1 thread | simulated, {cores} cores "
+        f"| ratio to alone, {cores} threads | ratio to alone, 1 thread | final loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    breakdown = [
+        "",
+        "One-core step, ms: compute = N x (forward + backward), coding = N x (encode + decode) + server decode",
+        "",
+        "| codec | step | compute | coding | optimizer | bookkeeping |",
+        "|---|---|---|---|---|---|",
+    ]
+    for codec in codecs:
+        cfg = RunConfig(**{**base.__dict__, "codec": codec})
+        single, full = simulated(cfg, workers, 1), simulated(cfg, workers, cores)
+        lines.append(
+            f"| {codec} | {single['rate']:.2f} it/s | {single['rate'] / one:.2f}x | {full['rate']:.2f} it/s "
+            f"| {full['rate'] / every:.2f}x | {full['rate'] / one:.2f}x | {full['loss']:.3f} |"
+        )
+        parts = [1000.0 / single["rate"], single["compute"], single["coding"], single["optimizer"], single["rest"]]
+        breakdown.append(f"| {codec} | " + " | ".join(f"{p:.0f}" for p in parts) + " |")
+    return "\n".join(lines + breakdown)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m psgrad.bench.simulation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=16, help="Simulated workers N.")
+    parser.add_argument("--batch-size", type=int, default=8, help="Batch per simulated worker B.")
+    parser.add_argument("--codecs", default="none,sign", help="Comma-separated codec specs to simulate.")
+    parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
+    parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
+    args = parser.parse_args(argv)
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    base = RunConfig(
+        model=args.model, depth=10, widen_factor=1, batch_size=args.batch_size, steps=args.steps,
+        dataset="synthetic", progress=False, eval_every=0,
+    )  # fmt: skip
+    print(report(args.workers, args.batch_size, args.codecs.split(","), args.steps, base))
+
+
+if __name__ == "__main__":
+    main()
