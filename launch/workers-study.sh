@@ -4,11 +4,11 @@
 # 256/N), so every run trains the same samples with the same steps and learning rate: what changes
 # with N is only how many independently coded gradients make up each step.
 # Usage: bash launch/workers-study.sh [OUT_DIR] [WORKERS] [EPOCHS] [CODEC ...]
-#   defaults: workers-study "2 4 8 16 32 64" 10, codecs "none" and "topk:ratio=0.01 --feedback ef".
+#   defaults: workers-study "2 4 8 16 32 64" 15, codecs "none" and "topk:ratio=0.01 --feedback ef".
 set -euo pipefail
 out=${1:-workers-study}
 workers=${2:-2 4 8 16 32 64}
-epochs=${3:-10}
+epochs=${3:-15}
 shift $(($# < 3 ? $# : 3))
 codecs=("$@")
 [ ${#codecs[@]} -gt 0 ] || codecs=("none" "topk:ratio=0.01 --feedback ef")
@@ -22,7 +22,7 @@ for codec in "${codecs[@]}"; do
     [ -f "$dir/eval.csv" ] && continue # done before: the study resumes where it stopped
     # shellcheck disable=SC2086 # the codec's own options split into words on purpose
     "$psgrad" simulate --workers "$n" --model wrn --depth 10 --widen-factor 1 --dataset proxy \
-      --batch-size $((256 / n)) --epochs "$epochs" --schedule cosine --eval-every "$epochs" \
+      --batch-size $((256 / n)) --lr 0.2 --epochs "$epochs" --schedule cosine --eval-every "$epochs" \
       --no-progress --codec $codec --log-dir "$dir" --overwrite 2>"$dir.log" || { tail -5 "$dir.log"; exit 1; }
   done
 done
@@ -35,4 +35,4 @@ for codec in "${codecs[@]}"; do
   done
   echo "$row"
 done
-echo "(final test accuracy on proxy (synthetic); total batch 256, WRN-10-1, $epochs epochs, cosine from the default lr)"
+echo "(final test accuracy on proxy (synthetic); total batch 256, WRN-10-1, $epochs epochs, cosine from lr 0.2)"

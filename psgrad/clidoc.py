@@ -6,7 +6,7 @@ import inspect
 
 import click
 
-ORDER = ("train", "server", "worker", "bench", "codecs", "plot")
+ORDER = ("train", "server", "worker", "simulate", "bench", "codecs", "plot")
 
 
 def _default(param: click.Parameter) -> str:
@@ -16,7 +16,7 @@ def _default(param: click.Parameter) -> str:
 
 
 def markdown() -> str:
-    """1. One section per command, in ORDER, with its help text.
+    """1. One section per command, in ORDER (then any other, by name), with its help text.
     2. One table row per parameter: flags, default, help (arguments are marked positional).
     """
     from .cli import main
@@ -28,7 +28,7 @@ def markdown() -> str:
         "Every option of every `psgrad` command, generated from the commands themselves "
         "(`python -m psgrad.clidoc > docs/cli.md`; `tests/test_docs.py` fails when this file is stale).",
     ]
-    for name in ORDER:
+    for name in [*ORDER, *sorted(set(main.commands) - set(ORDER))]:  # a new command is never left out
         cmd = main.commands[name]
         lines += [
             "",
