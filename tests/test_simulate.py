@@ -73,6 +73,16 @@ def test_thirty_two_workers_train_a_small_model():
         torch.testing.assert_close(first[name], last[name])
 
 
+def test_the_trajectory_does_not_depend_on_how_many_ranks_compute_at_once():
+    """One core token or several: the ranks interleave differently, the server still sums in
+    worker order, so the models agree bit for bit."""
+    cfg = RunConfig(model="convnet", batch_size=8, steps=3, codec="qsgd:levels=4", progress=False, timeout=60)
+    one, many = simulate(cfg, 4, cores=1), simulate(cfg, 4, cores=4)
+    assert [r["loss"] for r in one[0].rows] == [r["loss"] for r in many[0].rows]
+    for name, value in one[1].params.items():
+        assert torch.equal(value, many[1].params[name]), name
+
+
 def test_world_size_adds_the_servers_of_the_ps_topology():
     assert world_size(RunConfig(topology="ps", servers=2), 16) == 18
     assert world_size(RunConfig(topology="alltoall"), 16) == 16
