@@ -3,9 +3,11 @@
 ``LocalTransport`` has the interface of ``transport.Transport``, so every role runs unchanged on
 it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
 1. A send is buffered at once (it completes immediately); it fills the first receive the
-   destination posted for that source and tag on that communicator, or waits in the
-   destination's queue of unexpected messages, in arrival order. So messages between two ranks
-   never overtake each other, as in MPI, and the bytes received are the bytes sent.
+   destination posted for that source and tag on that communicator, or waits in the queue of
+   unexpected messages for that (communicator, destination, source, tag), in arrival order. So
+   messages between two ranks never overtake each other, as in MPI, and the bytes received are
+   the bytes sent. (psgrad never receives from any source or with any tag, so matching is a
+   dictionary lookup.)
 2. A collective is the k-th collective call of each rank on a communicator; it completes once
    every rank made its k-th call. Results combine the ranks' parts in rank order.
 3. A communicator is a name: ``dup`` of the k-th kind on every rank gives the same name, so no
@@ -66,8 +68,9 @@ class LocalWorld:
         self.holds = [False] * size
         self.stall_timeout = stall_timeout
         self.lock = threading.Lock()
-        self.unexpected: dict[tuple, deque] = {}  # (comm, destination) -> (source, tag, bytes)
-        self.posted: dict[tuple, list[LocalHandle]] = {}  # (comm, destination) -> receives, in post order
+        # (comm, destination, source, tag) -> messages in arrival order / receives in post order
+        self.unexpected: dict[tuple, deque[bytes]] = {}
+        self.posted: dict[tuple, deque[LocalHandle]] = {}
         self.collectives: dict[tuple, _Collective] = {}  # (comm, k) -> the parts so far
         self.failure: str | None = None
         self.progress_at = time.monotonic()
@@ -189,7 +192,7 @@ class LocalHandle(Handle):
     def cancel(self) -> None:
         if not self.done:
             with self.world.lock:
-                queue = self.world.posted.get((self.key_comm, self.rank), [])
+                queue = self.world.posted.get((self.key_comm, self.rank, self.peer, self.tag), ())
                 if self in queue:
                     queue.remove(self)
         self.finished = self.finished or time.perf_counter()
@@ -231,17 +234,15 @@ class LocalTransport(Transport):
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
-        world, box = self.world, (self.comm_name, dest)
+        world, key = self.world, (self.comm_name, dest, self.rank, tag)
         payload = data if type(data) is bytes else bytes(data)  # bytes cannot change after the send
         with world.lock:
-            waiting = world.posted.get(box, [])
-            match = next((h for h in waiting if h.peer == self.rank and h.tag == tag), None)
-            if match is None:
-                world.unexpected.setdefault(box, deque()).append((self.rank, tag, payload))
-            else:
-                waiting.remove(match)
-                _deliver(match, payload)
+            waiting = world.posted.get(key)
+            if waiting:
+                _deliver(waiting.popleft(), payload)
                 world.notify([dest])
+            else:
+                world.unexpected.setdefault(key, deque()).append(payload)
         self.bytes_sent += len(payload)
         handle = LocalHandle(None, data, dest, tag, key, len(payload), self, world=world, rank=self.rank)
         handle.finished = time.perf_counter()
@@ -251,15 +252,13 @@ class LocalTransport(Transport):
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         handle = LocalHandle(None, buf, source, tag, key, -1, self, world=self.world, rank=self.rank)
         handle.key_comm = self.comm_name
-        world, box = self.world, (self.comm_name, self.rank)
+        world, key = self.world, (self.comm_name, self.rank, source, tag)
         with world.lock:
-            queue = world.unexpected.get(box, ())
-            found = next((m for m in queue if m[0] == source and m[1] == tag), None)
-            if found is None:
-                world.posted.setdefault(box, []).append(handle)
+            arrived = world.unexpected.get(key)
+            if arrived:
+                _deliver(handle, arrived.popleft())
             else:
-                queue.remove(found)
-                _deliver(handle, found[2])
+                world.posted.setdefault(key, deque()).append(handle)
         return handle
 
     def test_some(self, handles: Sequence[Handle]) -> list[int]:
