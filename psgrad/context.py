@@ -208,7 +208,8 @@ class RunContext:
         model = cfg.model if named_model else type(self.model).__name__
         params = sum(p.numel() for p in self.model.parameters())
         print(
-            f"[psgrad] {self.transport.size} ranks ({servers} serving, {layout.num_workers} working), topology "
+            f"[psgrad] {self.transport.size} ranks{'' if self.transport.separate_processes else ' simulated in one process'} "
+            f"({servers} serving, {layout.num_workers} working), topology "
             f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(self.layers)} messages/step), "
             f"data {self.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "
             f"steps {self.start}..{self.total} ({self.steps_per_epoch} per epoch)",
