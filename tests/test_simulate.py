@@ -83,6 +83,21 @@ def test_the_trajectory_does_not_depend_on_how_many_ranks_compute_at_once():
         assert torch.equal(value, many[1].params[name]), name
 
 
+@pytest.mark.parametrize("topology", ["ps", "alltoall"])
+def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, topology):
+    """Checkpoints are written by every simulated rank; resuming from the middle gives the same model."""
+    cfg = RunConfig(
+        model="convnet", batch_size=8, steps=6, checkpoint_every=3, codec="topk:ratio=0.1", feedback="ef",
+        topology=topology, progress=False, timeout=60, log_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    whole = simulate(cfg, 3)
+    resumed = simulate(RunConfig(**{**cfg.__dict__, "resume": str(tmp_path / "run" / "ckpt-step3")}), 3)
+    assert [row["step"] for row in resumed[0].rows] == [3, 4, 5]  # it trained the second half only
+    for rank in (1, 2):
+        for name, value in whole[rank].params.items():
+            torch.testing.assert_close(resumed[rank].params[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_world_size_adds_the_servers_of_the_ps_topology():
     assert world_size(RunConfig(topology="ps", servers=2), 16) == 18
     assert world_size(RunConfig(topology="alltoall"), 16) == 16
