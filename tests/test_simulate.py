@@ -203,3 +203,14 @@ def test_ranks_that_all_wait_for_each_other_are_stopped():
 def test_the_cli_refuses_to_run_under_mpiexec():
     done = run_bounded([sys.executable, "-m", "psgrad", "simulate", "--steps", "1"], 60, env={"PMI_SIZE": "2"})
     assert done.returncode == 2 and "without mpiexec" in done.stderr
+
+
+def test_the_simulation_benchmark_reports_every_codec(capsys):
+    from psgrad.bench.simulation import main
+
+    main(["--workers", "2", "--batch-size", "4", "--codecs", "none,sign", "--steps", "7", "--model", "convnet"])
+    out = capsys.readouterr().out
+    assert "Alone, batch 8:" in out
+    for codec in ("none", "sign"):
+        rows = [line for line in out.splitlines() if line.startswith(f"| {codec} |")]
+        assert len(rows) == 2, out  # the speed table and the breakdown
