@@ -210,7 +210,7 @@ def test_the_simulation_benchmark_reports_every_codec(capsys):
 
     main(["--workers", "2", "--batch-size", "4", "--codecs", "none,sign", "--steps", "7", "--model", "convnet"])
     out = capsys.readouterr().out
-    assert "Alone, batch 8:" in out
+    assert "Alone, batch 8, the fastest of 3 runs" in out
     for codec in ("none", "sign"):
         rows = [line for line in out.splitlines() if line.startswith(f"| {codec} |")]
         assert len(rows) == 2, out  # the speed table and the breakdown
