@@ -4,14 +4,15 @@
 # 256/N), so every run trains the same samples with the same steps and learning rate: what changes
 # with N is only how many independently coded gradients make up each step.
 # Usage: bash launch/workers-study.sh [OUT_DIR] [WORKERS] [EPOCHS] [CODEC ...]
-#   defaults: workers-study "2 4 8 16 32 64" 15, codecs "none" and "topk:ratio=0.01 --feedback ef".
+#   defaults: workers-study "2 4 8 16 32 64" 15, codecs "none", "topk:ratio=0.01 --feedback ef" and
+#   "topk:ratio=0.01 --feedback dgc --momentum 0 --dgc-warmup-epochs 3" (about 50 minutes on 2 cores).
 set -euo pipefail
 out=${1:-workers-study}
 workers=${2:-2 4 8 16 32 64}
 epochs=${3:-15}
 shift $(($# < 3 ? $# : 3))
 codecs=("$@")
-[ ${#codecs[@]} -gt 0 ] || codecs=("none" "topk:ratio=0.01 --feedback ef")
+[ ${#codecs[@]} -gt 0 ] || codecs=("none" "topk:ratio=0.01 --feedback ef" "topk:ratio=0.01 --feedback dgc --momentum 0 --dgc-warmup-epochs 3")
 here=$(cd "$(dirname "$0")/.." && pwd)
 psgrad=${PSGRAD:-$here/.venv/bin/psgrad}
 mkdir -p "$out"
