@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .accuracy import accuracy_note
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
@@ -215,6 +216,9 @@ class RunContext:
             f"steps {self.start}..{self.total} ({self.steps_per_epoch} per epoch)",
             file=sys.stderr,
         )
+        note = accuracy_note(cfg)
+        if note is not None:
+            print(f"[psgrad] {note}", file=sys.stderr)
 
     # ------------------------------------------------------------------ what roles ask for
     def make_optimizer(self) -> LayerOptimizer | TorchLayerOptimizer:

@@ -55,7 +55,7 @@ FLOORS = [
     (0, ["psgrad.codecs", "psgrad.models", "psgrad.data"]),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
-    (2, ["psgrad.comm.local"]),
+    (2, ["psgrad.comm.local", "psgrad.accuracy"]),
     (3, ["psgrad.backprop"]),
     (1, ["psgrad.comm.sentinel"]),
     (2, ["psgrad.checkpoint", "psgrad.comm.watchdog"]),

@@ -1,0 +1,84 @@
+"""What psgrad measured of each codec's accuracy, and the note a run prints when it picks a
+combination that trailed dense training.
+
+1. ``MEASURED`` holds one entry per combination measured on the accuracy proxy: codec name,
+   feedback, down-link codec name, test accuracy as a fraction of dense at equal epochs, and
+   where docs/benchmarks.md or docs/training.md shows the runs.
+2. ``accuracy_note(cfg)`` finds the entry of a run's combination (topologies without a
+   down-link count as a dense down-link) and, when it reached less than ``PARITY`` of dense,
+   returns one sentence for rank 0 to print at start-up. Unmeasured combinations get no note:
+   the note reports evidence, it does not guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .codecs import make_codec
+from .comm.protocol import LAYOUTS
+from .config import RunConfig
+
+PARITY = 0.99
+"""Issue #13's bar: at least 0.99x dense test accuracy at equal epochs."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    codec: str
+    feedback: str
+    down: str
+    of_dense: float
+    setting: str
+    where: str
+
+
+MEASURED = (
+    Measured(
+        "qsgd", "none", "qsgd", 0.998, "qsgd:levels=16 both ways, 15 epochs, median of 3 seeds",
+        'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
+    ),
+    Measured(
+        "sign", "ef", "qsgd", 0.983, "sign up, qsgd:levels=16 down, 15 epochs, median of 3 seeds",
+        'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
+    ),
+    Measured(
+        "sign", "ef", "sign", 0.968, "sign both ways, 15 epochs, median of 3 seeds",
+        'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
+    ),
+    Measured(
+        "topk", "ef", "topk", 0.843, "topk:ratio=0.01,approx=1 both ways, 15 epochs, median of 3 seeds",
+        'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
+    ),
+    Measured(
+        "topk", "ef", "none", 0.54, "topk:ratio=0.01 up, dense down, 2 workers x batch 128, 15 epochs, one seed",
+        'docs/training.md, "Accuracy against the number of workers"',
+    ),
+    Measured(
+        "topk", "dgc", "none", 0.63, "topk:ratio=0.01 in DGC's memory, dense down, 2 workers x batch 128, 15 epochs, one seed",
+        'docs/training.md, "Accuracy against the number of workers"',
+    ),
+    Measured(
+        "powersgd", "none", "none", 0.98, "powersgd:rank=2, 15 epochs, median of 3 seeds (torch's DDP hook: 0.99)",
+        'docs/benchmarks.md, "PowerSGD through the parameter server"',
+    ),
+)  # fmt: skip
+
+
+def measured(cfg: RunConfig) -> Measured | None:
+    """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one."""
+    has_down_link = LAYOUTS[cfg.topology] in ("separate", "colocated")
+    down = make_codec(cfg.down_codec).name if has_down_link else "none"
+    codec = make_codec(cfg.codec).name
+    return next((m for m in MEASURED if (m.codec, m.feedback, m.down) == (codec, cfg.feedback, down)), None)
+
+
+def accuracy_note(cfg: RunConfig) -> str | None:
+    """One sentence when ``cfg``'s combination reached less than ``PARITY`` of dense, else None."""
+    found = measured(cfg)
+    if found is None or found.of_dense >= PARITY:
+        return None
+    return (
+        f"note: this combination of codec, feedback and down-link reached {found.of_dense:.2f}x dense test "
+        f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}): expect it to need "
+        "more epochs than --codec none, and compare the two"
+    )
