@@ -150,7 +150,7 @@ def codecs(
 
 
 def _train(role: str | None, options: dict) -> None:
-    from .comm.protocol import RankLayout
+    from .comm.protocol import RankLayout, grid_places
     from .comm.transport import world_rank, world_size
     from .train import run
 
@@ -159,6 +159,11 @@ def _train(role: str | None, options: dict) -> None:
         layout = RankLayout(world_size(), cfg.servers, cfg.topology)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
+    places = grid_places(cfg.topology, cfg.grid)
+    if places is not None and places != world_size():
+        raise click.UsageError(
+            f"--grid {cfg.grid} has {places} places for {world_size()} ranks: start mpiexec -n {places}"
+        )
     if role is not None:
         if layout.kind != "separate":
             raise click.UsageError(

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm.local import LocalTransport, LocalWorld
-from .comm.protocol import RankLayout
+from .comm.protocol import RankLayout, grid_places
 from .config import RunConfig
 from .context import LossFn
 from .optim import OptimizerFn
@@ -39,6 +39,9 @@ def world_size(cfg: RunConfig, workers: int) -> int:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     size = workers + (cfg.servers if RankLayout(cfg.servers + 1, cfg.servers, cfg.topology).kind == "separate" else 0)
     RankLayout(size, cfg.servers, cfg.topology)  # the topology's own checks
+    places = grid_places(cfg.topology, cfg.grid)
+    if places is not None and places != size:
+        raise ValueError(f"--grid {cfg.grid} has {places} places for {size} workers: simulate --workers {places}")
     return size
 
 

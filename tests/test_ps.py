@@ -175,6 +175,13 @@ def test_clean_shutdown_and_metrics(tmp_path):
     assert "synthetic" in proc.stderr
 
 
+def test_a_torus_grid_that_does_not_fit_the_ranks_is_one_usage_error():
+    py = __import__("sys").executable
+    args = ["--model", "mlp", "--steps", "2", "--topology", "torus", "--grid", "2x2", "--no-progress"]
+    bad = run_mpi([py, "-m", "psgrad", "train", *args], n=3, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("has 4 places for 3 ranks: start mpiexec -n 4") == 1, bad.stderr
+
+
 def test_mpmd_server_and_worker_commands():
     py = __import__("sys").executable
     args = ["--model", "mlp", "--steps", "4", "--batch-size", "8", "--synthetic-size", "256", "--no-progress"]

@@ -103,6 +103,9 @@ def test_world_size_adds_the_servers_of_the_ps_topology():
     assert world_size(RunConfig(topology="alltoall"), 16) == 16
     with pytest.raises(ValueError, match="--workers"):
         world_size(RunConfig(), 0)
+    assert world_size(RunConfig(topology="torus", grid="2x3"), 6) == 6
+    with pytest.raises(ValueError, match="simulate --workers 6"):
+        world_size(RunConfig(topology="torus", grid="2x3"), 4)
 
 
 def test_a_failing_rank_ends_every_rank_with_its_own_error():

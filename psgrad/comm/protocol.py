@@ -120,6 +120,14 @@ def torus_neighbours(rank: int, rows: int, cols: int) -> list[int]:
     return sorted(around - {rank})
 
 
+def grid_places(topology: str, grid: str | None) -> int | None:
+    """How many ranks ``topology`` needs when its shape fixes that (a torus: rows x columns)."""
+    if topology != "torus":
+        return None
+    rows, cols = parse_grid(grid or "")
+    return rows * cols
+
+
 def neighbours_of(topology: str, grid: str | None, rank: int, size: int) -> list[int]:
     """This rank's gossip neighbours under ``topology`` (ring, or torus with ``grid``)."""
     if topology == "ring":
