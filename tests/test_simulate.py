@@ -31,7 +31,13 @@ def _metrics(log_dir) -> list[dict]:
 
 @pytest.mark.parametrize(
     "topology, workers, codec",
-    [("ps", 2, "none"), ("alltoall", 3, "none"), ("ps", 2, "qsgd:levels=16"), ("ring", 3, "sign")],
+    [
+        ("ps", 2, "none"),
+        ("alltoall", 3, "none"),
+        ("ps", 2, "qsgd:levels=16"),
+        ("ring", 3, "sign"),
+        ("colocated", 3, "powersgd:rank=2"),
+    ],
 )
 def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers, codec):
     options = [*SMALL, "--steps", "5", "--topology", topology, "--codec", codec, "--no-progress"]
