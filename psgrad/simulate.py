@@ -11,7 +11,8 @@
    whose ranks all wait for each other for ``--timeout`` seconds (default 60) is ended.
 
 Torch runs each rank's operations in that rank's thread and releases the GIL inside them, so the
-ranks compute in parallel on the machine's cores; ``--threads`` stays the torch threads per rank.
+ranks compute in parallel on the machine's cores, at most ``--cores`` of them at a time (the
+local transport's core tokens); ``--threads`` stays the torch threads per rank.
 """
 
 from __future__ import annotations
