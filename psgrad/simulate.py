@@ -38,7 +38,7 @@ def world_size(cfg: RunConfig, workers: int) -> int:
     """The ranks a job of ``workers`` workers takes with ``cfg``'s topology and servers."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    size = workers + (cfg.servers if RankLayout(cfg.servers + 1, cfg.servers, cfg.topology).kind == "separate" else 0)
+    size = RankLayout.ranks_needed(cfg.topology, workers, cfg.servers)
     RankLayout(size, cfg.servers, cfg.topology)  # the topology's own checks
     places = grid_places(cfg.topology, cfg.grid)
     if places is not None and places != size:
