@@ -355,6 +355,11 @@ def code_message(
     )
 
 
+def layer_values(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
+    """A copy of ``layer``'s parameters as one flat tensor (on their device)."""
+    return torch.cat([params[n].detach().reshape(-1) for n in layer.params])
+
+
 def layer_grad(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
     """``layer``'s gradient as one flat tensor (zeros for parameters that got none)."""
     parts = [

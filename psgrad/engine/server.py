@@ -52,6 +52,7 @@ from ..comm.protocol import (
     copy_flat_into,
     layer_rounds,
     layer_tag,
+    layer_values,
     message_seed,
     skip_update,
     tensor_message,
@@ -77,10 +78,7 @@ class ServerBase:
         self.owned = [layer for layer in ctx.layers if layer.owner == self.rank]
         params = dict(ctx.model.named_parameters())
         # owned layer index -> flat fp32 tensor: the authoritative copy
-        self.values = {
-            layer.index: torch.cat([params[n].detach().reshape(-1).cpu() for n in layer.params]).clone()
-            for layer in self.owned
-        }
+        self.values = {layer.index: layer_values(params, layer).cpu() for layer in self.owned}
         self.workers = ctx.layout.worker_ranks
         self.remote_workers = [w for w in self.workers if w != self.rank]
         self.num_workers = len(self.workers)

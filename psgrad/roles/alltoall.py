@@ -31,6 +31,7 @@ from ..comm.protocol import (
     copy_flat_into,
     encode_gradient,
     layer_rounds,
+    layer_values,
     load_buffers_vector,
     skip_update,
     upload_bound,
@@ -213,7 +214,7 @@ class PeerRole(Role):
                 what = f"step {step}: the gradient sum of {layer.name!r} on rank {self.rank}"
                 if skip_update(self.acc[layer.index], what, self.cfg.on_nonfinite, layer.index in self.skipping):
                     continue
-                values = torch.cat([self.params_by_name[n].detach().reshape(-1) for n in layer.params])
+                values = layer_values(self.params_by_name, layer)
                 self.optimizer.step(layer.name, values, self.acc[layer.index], lr)
                 copy_flat_into(self.params_by_name, layer.params, values)
         end = time.perf_counter()

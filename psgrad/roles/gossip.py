@@ -39,6 +39,7 @@ from ..comm.protocol import (
     StepStats,
     copy_flat_into,
     layer_tag,
+    layer_values,
     message_seed,
     neighbours_of,
     skip_update,
@@ -77,7 +78,7 @@ class GossipRole(Role):
             self.backprop.on_layer_gradients(self.params_by_name, self.gate, self._local_step_and_send)
 
     def _values(self, layer: Layer) -> torch.Tensor:
-        return torch.cat([self.params_by_name[n].detach().reshape(-1).float().cpu() for n in layer.params])
+        return layer_values(self.params_by_name, layer).float().cpu()
 
     def _codec(self, layer: Layer):
         return self.codec if layer.compress else self.exact
