@@ -6,6 +6,7 @@ Each rank checks its own final parameters against the reference's model of its r
 import sys
 
 import torch
+from small_mlp import SETTINGS
 
 from psgrad.comm.protocol import neighbours_of
 from psgrad.comm.transport import world_rank, world_size
@@ -16,15 +17,8 @@ from psgrad.train import run
 
 steps = 5
 cfg = RunConfig(
-    model="mlp",
+    **SETTINGS,
     steps=steps,
-    batch_size=8,
-    synthetic_size=256,
-    lr=0.05,
-    momentum=0.9,
-    weight_decay=5e-4,
-    progress=False,
-    seed=3,
     topology="torus" if "--torus" in sys.argv else "ring",
     grid="2x2" if "--torus" in sys.argv else None,
     codec="none",

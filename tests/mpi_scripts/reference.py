@@ -17,6 +17,7 @@ weight matrix must differ; without the bucket the biases are sign-coded and diff
 import sys
 
 import torch
+from small_mlp import SETTINGS
 
 from psgrad.codecs import make_codec
 from psgrad.comm.protocol import SHARED_STREAM, message_seed, plan_layers
@@ -31,17 +32,7 @@ bucket = "--no-bucket-vectors" not in sys.argv
 alltoall = "--alltoall" in sys.argv
 colocated = "--colocated" in sys.argv
 steps = 1 if sign_one_step else 6
-kw = dict(
-    model="mlp",
-    steps=steps,
-    batch_size=8,
-    synthetic_size=256,
-    lr=0.05,
-    momentum=0.9,
-    weight_decay=5e-4,
-    progress=False,
-    seed=3,
-)
+kw = dict(SETTINGS, steps=steps)
 nesterov = "--nesterov" in sys.argv
 granularity = "model" if "--model-granularity" in sys.argv else "layer"
 push = "after" if "--push-after" in sys.argv else "backward"
