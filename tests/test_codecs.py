@@ -414,7 +414,10 @@ def test_powersgd_factors_what_torchs_hook_factors():
 
 @pytest.mark.parametrize("orth", ["gs", "qr"])
 def test_powersgd_one_round_is_exact_on_low_rank_matrices(orth):
-    u, v = torch.randn(48, 2), torch.randn(2, 90)
+    # a fixed draw: about 1 % of random rank-2 matrices are conditioned badly enough that fp32
+    # misses these tolerances (Gram-Schmidt's P'P off by up to 6e-5), which made the test flaky
+    gen = torch.Generator().manual_seed(0)
+    u, v = torch.randn(48, 2, generator=gen), torch.randn(2, 90, generator=gen)
     codec = make_codec(f"powersgd:rank=2,orth={orth}")
     msg = codec.encode(u @ v, seed=5)
     p = msg.arrays["p"]
