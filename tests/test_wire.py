@@ -17,6 +17,7 @@ SPECS = [
     "terngrad",
     "qsgd",
     "sign",
+    "sign:bucket=16",
     "svd:rank=2",
 ]
 
@@ -99,6 +100,15 @@ def test_malformed_input_raises_wire_error(buf, fragment):
     with pytest.raises(WireError) as err:
         wire.loads(buf)
     assert fragment in str(err.value)
+
+
+def test_sign_message_with_scales_for_another_bucket_size_is_refused():
+    """A bucketed sign message must carry exactly one scale per bucket its params declare."""
+    buf = _forged("sign:bucket=16", 160, params={"bucket": 32})  # 10 scales, 5 buckets declared
+    with pytest.raises(WireError, match="scale"):
+        wire.loads(buf)
+    with pytest.raises(WireError, match="bucket"):
+        wire.loads(_forged("sign:bucket=16", 160, params={"bucket": -1}))
 
 
 def test_size_limit():

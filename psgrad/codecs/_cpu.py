@@ -12,11 +12,14 @@ torch 2.13 CPU, one thread). Codecs call these for CPU tensors and keep torch co
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import numpy as np
 import torch
+
+from ._buckets import per_bucket_cpu
 
 BLOCK = 1 << 16
 """Elements per block: 256 KB of fp32, so a block and its temporaries fit in L2."""
@@ -102,6 +105,41 @@ def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float
         )
         target = out[start:stop]
         np.add(target, block.reshape(-1)[:count], out=target)
+
+
+@quiet
+def negative_bits_and_means(x: np.ndarray, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`negative_bits`, and the mean ``|x|`` of every bucket of ``bucket`` elements (the last
+    may be short) from the same block while it is in cache: a BLAS product with a 1/bucket column."""
+    n, multiple = x.size, math.lcm(bucket, 8)
+    packed, means = np.empty((n + 7) // 8, dtype=np.uint8), np.empty(-(-n // bucket), dtype=np.float32)
+    negative, magnitude = block_buffer(n, np.bool_, multiple), block_buffer(n, np.float32, multiple)
+    column = np.full(bucket, 1.0 / bucket, dtype=np.float32)
+    for start, stop in blocks(n, multiple):
+        block, count, first = x[start:stop], stop - start, start // bucket
+        packed[start // 8 : (stop + 7) // 8] = np.packbits(np.less(block, 0, out=negative[:count]))
+        magnitude_block = np.abs(block, out=magnitude[:count])
+        full = count // bucket * bucket
+        if full:
+            np.dot(magnitude_block[:full].reshape(-1, bucket), column, out=means[first : first + full // bucket])
+        if full < count:
+            means[first + full // bucket] = magnitude_block[full:].mean()
+    return packed, means
+
+
+@quiet
+def add_signs_per_bucket(packed: np.ndarray, out: np.ndarray, factors: np.ndarray, bucket: int) -> None:
+    """``out[i] += factors[i // bucket] * (-1 if bit i is set else +1)``, block by block through the
+    256 x 8 sign table (as :func:`add_rows`), each block's signs scaled by its buckets' factors."""
+    n, multiple = out.size, math.lcm(bucket, 8)
+    values = np.empty((min(n, _block_size(multiple)) + 7) // 8 * 8, dtype=np.float32)
+    for start, stop in blocks(n, multiple):
+        count, nbytes = stop - start, (stop - start + 7) // 8
+        rows = values[: 8 * nbytes].reshape(-1, 8)
+        block = np.take(SIGN_ROWS, packed[start // 8 : start // 8 + nbytes], axis=0, out=rows, mode="wrap")
+        signs = per_bucket_cpu(block.reshape(-1)[:count], bucket, factors[start // bucket :])
+        target = out[start:stop]
+        np.add(target, signs, out=target)
 
 
 @quiet

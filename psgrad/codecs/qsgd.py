@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from . import _bits, _cpu
+from . import _bits, _buckets, _cpu
 from .base import Codec, Message, register
 
 
@@ -40,17 +40,8 @@ class QSGDCodec(Codec):
     def width(self) -> int:
         return max(1, math.ceil(math.log2(int(self.params["levels"]) + 1)))
 
-    def _buckets(self, numel: int) -> int:
-        return -(-numel // int(self.params["bucket"]))
-
-    @staticmethod
-    def _per_bucket(values: torch.Tensor, bucket: int, factors: torch.Tensor) -> torch.Tensor:
-        """values[i] *= factors[i // bucket] in place, without padding or repeating ``factors``."""
-        full = values.numel() // bucket * bucket
-        values[:full].view(-1, bucket).mul_(factors[: full // bucket, None])
-        if full < values.numel():
-            values[full:].mul_(factors[-1])
-        return values
+    def _bucket_count(self, numel: int) -> int:
+        return _buckets.count(numel, int(self.params["bucket"]))
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Step 1: the L2 norm of every bucket (the last one may be short)."""
@@ -67,7 +58,7 @@ class QSGDCodec(Codec):
         inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         if flat.device.type == "cpu":
             return self._encode_cpu(_cpu.host(flat), norms, _cpu.host(inv), seed)
-        scaled = self._per_bucket(flat.abs(), bucket, inv)
+        scaled = _buckets.per_bucket(flat.abs(), bucket, inv)
         levels = scaled.add_(_bits.uniform(n, seed, flat.device)).floor_().clamp_(max=s)
         return {
             "norms": norms,
@@ -88,7 +79,7 @@ class QSGDCodec(Codec):
         uniforms = _cpu.Uniforms(seed, len(scaled))
         for start, stop in _cpu.blocks(n, multiple):
             count, block = stop - start, x[start:stop]
-            level = _per_bucket_cpu(np.abs(block, out=scaled[:count]), bucket, inv[start // bucket :])
+            level = _buckets.per_bucket_cpu(np.abs(block, out=scaled[:count]), bucket, inv[start // bucket :])
             level += uniforms.at(start, count)
             code = codes[:count]
             np.copyto(code, level, casting="unsafe")  # level >= 1: truncation is floor
@@ -108,7 +99,7 @@ class QSGDCodec(Codec):
             return out
         levels = _bits.unpack_bits(msg.arrays["levels"].to(device), n, self.width).float()
         levels.mul_(_bits.unpack_signs(msg.arrays["signs"].to(device), n))
-        return self._per_bucket(levels, bucket, msg.arrays["norms"].to(device) / s)
+        return _buckets.per_bucket(levels, bucket, msg.arrays["norms"].to(device) / s)
 
     @_cpu.quiet
     def decode_add(self, msg: Message, out: torch.Tensor, alpha: float = 1.0) -> None:
@@ -139,28 +130,17 @@ class QSGDCodec(Codec):
             np.copyto(flip, np.unpackbits(signs[first:last], count=count), casting="unsafe")
             flip *= np.uint32(1 << 31)
             np.bitwise_xor(value.view(np.uint32), flip, out=value.view(np.uint32))
-            _per_bucket_cpu(value, bucket, factors[start // bucket :])
+            _buckets.per_bucket_cpu(value, bucket, factors[start // bucket :])
             np.add(target[start:stop], value, out=target[start:stop])
 
     def _expected(self, msg):
         n = msg.numel
         return {
-            "norms": (torch.float32, (self._buckets(n),)),
+            "norms": (torch.float32, (self._bucket_count(n),)),
             "levels": (torch.uint8, (_bits.packed_nbytes(n, self.width),)),
             "signs": (torch.uint8, (_bits.packed_nbytes(n, 1),)),
         }
 
     def max_payload_bytes(self, shape):
         n = math.prod(shape)
-        return 4 * self._buckets(n) + _bits.packed_nbytes(n, self.width) + _bits.packed_nbytes(n, 1)
-
-
-def _per_bucket_cpu(values: np.ndarray, bucket: int, factors: np.ndarray) -> np.ndarray:
-    """values[i] *= factors[i // bucket] in place (numpy; ``values`` starts a bucket)."""
-    full = values.size // bucket * bucket
-    if full:
-        matrix = values[:full].reshape(-1, bucket)
-        np.multiply(matrix, factors[: full // bucket, None], out=matrix)
-    if full < values.size:
-        values[full:] *= factors[full // bucket]
-    return values
+        return 4 * self._bucket_count(n) + _bits.packed_nbytes(n, self.width) + _bits.packed_nbytes(n, 1)
