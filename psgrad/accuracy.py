@@ -1,9 +1,10 @@
 """What psgrad measured of each codec's accuracy, and the note a run prints when it picks a
 combination that trailed dense training.
 
-1. ``MEASURED`` holds one entry per combination measured on the accuracy proxy: codec name,
-   feedback, down-link codec name, test accuracy as a fraction of dense at equal epochs, and
-   where docs/benchmarks.md or docs/training.md shows the runs.
+1. ``MEASURED`` holds one entry per combination measured on the accuracy proxy: codec,
+   feedback, down-link codec, test accuracy as a fraction of dense at equal epochs, and where
+   docs/benchmarks.md or docs/training.md shows the runs. A codec is a spec: its name, and the
+   parameters that set it apart (``sign:bucket=32``); parameters it leaves out match any value.
 2. ``accuracy_note(cfg)`` finds the entry of a run's combination (topologies without a
    down-link count as a dense down-link) and, when it reached less than ``PARITY`` of dense,
    returns one sentence for rank 0 to print at start-up. Unmeasured combinations get no note:
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .codecs import make_codec
+from .codecs import make_codec, parse_spec
 from .comm.protocol import LAYOUTS
 from .config import RunConfig
 
@@ -38,12 +39,25 @@ MEASURED = (
         'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
     ),
     Measured(
-        "sign", "ef", "qsgd", 0.983, "sign up, qsgd:levels=16 down, 15 epochs, median of 3 seeds",
+        "sign:bucket=0", "ef", "qsgd", 0.983, "sign up, qsgd:levels=16 down, 15 epochs, median of 3 seeds",
         'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
     ),
     Measured(
-        "sign", "ef", "sign", 0.968, "sign both ways, 15 epochs, median of 3 seeds",
-        'docs/benchmarks.md, "Accuracy over seeds on the proxy"',
+        "sign:bucket=0", "ef", "sign:bucket=0", 0.972, "sign both ways, 15 epochs, median of 6 seeds paired with dense",
+        'docs/benchmarks.md, "Sign with a scale per bucket"',
+    ),
+    Measured(
+        "sign:bucket=128", "ef", "sign:bucket=128", 0.979, "sign:bucket=128 both ways, 15 epochs, median of 3 seeds",
+        'docs/benchmarks.md, "Sign with a scale per bucket"',
+    ),
+    Measured(
+        "sign:bucket=32", "ef", "sign:bucket=32", 0.984, "sign:bucket=32 both ways, 15 epochs, median of 6 seeds paired with dense",
+        'docs/benchmarks.md, "Sign with a scale per bucket"',
+    ),
+    Measured(
+        "sign:bucket=32", "ef", "qsgd:levels=16", 0.990,
+        "sign:bucket=32 up, qsgd:levels=16 down, 15 epochs, median of 6 seeds paired with dense",
+        'docs/benchmarks.md, "Sign with a scale per bucket"',
     ),
     Measured(
         "topk", "ef", "topk", 0.843, "topk:ratio=0.01,approx=1 both ways, 15 epochs, median of 3 seeds",
@@ -64,12 +78,22 @@ MEASURED = (
 )  # fmt: skip
 
 
+def covers(entry_spec: str, spec: str) -> bool:
+    """Whether a measured codec ``entry_spec`` is the codec ``spec``: the same name, and the same
+    value of every parameter the entry names (compared after the codec's own parsing)."""
+    name, pinned = parse_spec(entry_spec)
+    codec, entry = make_codec(spec), make_codec(entry_spec)
+    return codec.name == name and all(codec.params[key] == entry.params[key] for key in pinned)
+
+
 def measured(cfg: RunConfig) -> Measured | None:
     """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one."""
     has_down_link = LAYOUTS[cfg.topology] in ("separate", "colocated")
-    down = make_codec(cfg.down_codec).name if has_down_link else "none"
-    codec = make_codec(cfg.codec).name
-    return next((m for m in MEASURED if (m.codec, m.feedback, m.down) == (codec, cfg.feedback, down)), None)
+    down = cfg.down_codec if has_down_link else "none"
+    return next(
+        (m for m in MEASURED if m.feedback == cfg.feedback and covers(m.codec, cfg.codec) and covers(m.down, down)),
+        None,
+    )
 
 
 def accuracy_note(cfg: RunConfig) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from psgrad.accuracy import MEASURED, PARITY, accuracy_note, measured
-from psgrad.codecs import available_codecs
+from psgrad.codecs import available_codecs, make_codec, parse_spec
 from psgrad.config import RunConfig
 
 
@@ -15,6 +15,8 @@ from psgrad.config import RunConfig
         ({"codec": "topk:ratio=0.01", "feedback": "ef", "down_codec": "topk:ratio=0.01"}, "0.84x"),
         ({"codec": "topk:ratio=0.01", "feedback": "ef"}, "0.54x"),
         ({"codec": "sign", "feedback": "ef", "down_codec": "sign"}, "0.97x"),
+        ({"codec": "sign:bucket=0", "feedback": "ef", "down_codec": "sign"}, "0.97x"),
+        ({"codec": "sign:bucket=32", "feedback": "ef", "down_codec": "sign:bucket=32"}, "0.98x"),
         ({"codec": "powersgd:rank=2", "topology": "colocated"}, "0.98x"),
         # no down-link: a top-k ring counts as top-k with a dense down-link
         ({"codec": "topk:ratio=0.01", "feedback": "ef", "topology": "alltoall"}, "0.54x"),
@@ -32,6 +34,9 @@ def test_a_combination_that_trailed_dense_gets_a_note_with_its_measurement(optio
         {"codec": "qsgd:levels=16", "down_codec": "qsgd:levels=16"},  # measured at parity
         {"codec": "qsgd:levels=16"},  # never measured: no note
         {"codec": "terngrad"},
+        # a parameter the entry pins sets the codec apart: bucketed sign is not one-scale sign
+        {"codec": "sign:bucket=64", "feedback": "ef", "down_codec": "sign:bucket=64"},
+        {"codec": "sign:bucket=32", "feedback": "ef", "down_codec": "qsgd:levels=16"},  # at parity
     ],
 )
 def test_parity_or_no_measurement_gets_no_note(options):
@@ -41,7 +46,8 @@ def test_parity_or_no_measurement_gets_no_note(options):
 def test_every_entry_names_a_real_codec_and_a_docs_section():
     codecs = {name.split(":")[0] for name in available_codecs()}
     for entry in MEASURED:
-        assert {entry.codec, entry.down} <= codecs | {"none"}, entry
+        assert {parse_spec(entry.codec)[0], parse_spec(entry.down)[0]} <= codecs | {"none"}, entry
+        make_codec(entry.codec), make_codec(entry.down)  # parameters the codecs accept
         assert entry.feedback in ("none", "ef", "dgc")
         assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
     assert measured(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=16")).of_dense >= PARITY
