@@ -155,6 +155,7 @@ def _train(role: str | None, options: dict) -> None:
     from .train import run
 
     cfg = config_from(with_config(options, options.pop("config_path", None)))
+    _require_data(cfg)
     try:
         layout = RankLayout(world_size(), cfg.servers, cfg.topology)
     except ValueError as err:
@@ -176,6 +177,15 @@ def _train(role: str | None, options: dict) -> None:
                 f"'psgrad {role}' started on rank {world_rank()}, which is a {actual} rank with --servers {cfg.servers} (servers are ranks 0..{cfg.servers - 1})"
             )
     run(cfg)
+
+
+def _require_data(cfg) -> None:
+    """A missing CIFAR folder or archive is a usage error, said once, before any rank builds a model."""
+    from .data import missing_data
+
+    problem = missing_data(cfg.dataset, cfg.data_dir)
+    if problem is not None:
+        raise click.UsageError(problem)
 
 
 def _abort_job(message: str) -> None:
@@ -234,6 +244,7 @@ def simulate(workers: int, cores: int | None, **options) -> None:
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
     cfg = config_from(with_config(options, options.pop("config_path", None)))
+    _require_data(cfg)
     try:
         world_size(cfg, workers)
     except ValueError as err:

@@ -245,7 +245,8 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     out = runner.invoke(main, ["codecs", "--sizes", "1K,8K", "--repeat", "1", "--codecs", "none;sign", "--json", "-"])
     assert out.exit_code == 0, out.output
     rows = json.loads(out.output)["rows"]
-    assert [(r["codec"], r["size"]) for r in rows] == [("none", 1024), ("sign", 1024), ("none", 8192), ("sign", 8192)]
+    sign = "sign:bucket=0"  # rows name every parameter of the codec, defaults included
+    assert [(r["codec"], r["size"]) for r in rows] == [("none", 1024), (sign, 1024), ("none", 8192), (sign, 8192)]
     assert rows[3]["wire_bytes"] < rows[2]["wire_bytes"] / 25 and rows[0]["memcpy_gbps"] > 0
     saved = tmp_path / "codecs.json"
     model = runner.invoke(

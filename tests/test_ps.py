@@ -210,6 +210,22 @@ def test_usage_error_is_printed_once_per_job():
     assert proc.returncode == 2 and proc.stderr.count("Invalid value for '--lr'") == 1, proc.stderr
 
 
+def test_missing_cifar_is_one_usage_error_before_training(tmp_path):
+    """No archive and no folder: one line for the job naming both and where to get them, no
+    traceback from each rank; and psgrad simulate says the same."""
+    py = __import__("sys").executable
+    args = ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--model", "mlp", "--steps", "2"]
+    proc = run_mpi([py, "-m", "psgrad", "train", *args], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("cifar-10-python.tar.gz exists") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    alone = CliRunner().invoke(main, ["simulate", "--workers", "2", *args])
+    assert alone.exit_code == 2 and "cifar-10-python.tar.gz exists" in alone.output
+
+
 def test_settings_of_a_rank_own_are_not_a_mismatch():
     from psgrad.config import RunConfig
     from psgrad.startup import config_difference

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .cifar import ImageSet, load_cifar
+from .cifar import ImageSet, load_cifar, missing_data
 from .synthetic import make_proxy, make_synthetic
 
 GENERATED = {"synthetic": make_synthetic, "proxy": make_proxy}
@@ -19,6 +19,7 @@ __all__ = [
     "ShardLoader",
     "augment",
     "load_cifar",
+    "missing_data",
     "load_dataset",
     "make_proxy",
     "make_synthetic",

@@ -68,6 +68,20 @@ def _load_member(raw: bytes, where: str, label_key: bytes) -> tuple[np.ndarray, 
     return data.reshape(-1, 3, 32, 32), labels
 
 
+def missing_data(dataset: str, data_dir: str | Path) -> str | None:
+    """Why ``dataset`` cannot be read from ``data_dir`` (neither its folder nor its archive is
+    there), or None: the check a launch makes before any rank starts."""
+    if dataset not in LAYOUTS:
+        return None
+    folder, archive, root = LAYOUTS[dataset][0], LAYOUTS[dataset][4], Path(data_dir)
+    if (root / folder).is_dir() or (root / archive).is_file():
+        return None
+    return (
+        f"{dataset}: neither {root / folder}/ nor {root / archive} exists. Download {archive} from {URL_HINT} "
+        f"into {root} (extracted or not), or use --dataset synthetic."
+    )
+
+
 def load_cifar(dataset: str, data_dir: str | Path, split: str) -> ImageSet:
     """Read ``split`` ('train' or 'test') of ``dataset`` from ``data_dir`` (extracted or .tar.gz)."""
     folder, train_files, test_file, label_key, archive = LAYOUTS[dataset]
@@ -90,10 +104,7 @@ def load_cifar(dataset: str, data_dir: str | Path, split: str) -> ImageSet:
                 except (KeyError, AttributeError):
                     raise FileNotFoundError(f"{dataset}: {root / archive} has no {folder}/{member}") from None
     else:
-        raise FileNotFoundError(
-            f"{dataset}: neither {root / folder}/ nor {root / archive} exists. Download {archive} from {URL_HINT} "
-            f"into {root} (extracted or not), or use --dataset synthetic."
-        )
+        raise FileNotFoundError(missing_data(dataset, root))
     parts = [_load_member(raw, where, label_key) for where, raw in raws]
     images = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])
