@@ -3,6 +3,8 @@ its own. QSGD sends a norm per bucket, sign a scale per bucket; both multiply va
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -10,6 +12,16 @@ import torch
 def count(numel: int, bucket: int) -> int:
     """Buckets covering ``numel`` elements."""
     return -(-numel // bucket)
+
+
+def reduce(values: torch.Tensor, bucket: int, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """One number per bucket of flat ``values``: ``fn(matrix, dim=1)`` over the whole buckets and
+    ``fn(rest)`` over a short last one (QSGD's L2 norms, sign's mean magnitudes)."""
+    full = values.numel() // bucket * bucket
+    out = fn(values[:full].view(-1, bucket), dim=1)
+    if full < values.numel():
+        out = torch.cat([out, fn(values[full:]).reshape(1)])
+    return out
 
 
 def per_bucket(values: torch.Tensor, bucket: int, factors: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,7 @@ class QSGDCodec(Codec):
 
     def _norms(self, flat: torch.Tensor) -> torch.Tensor:
         """Step 1: the L2 norm of every bucket (the last one may be short)."""
-        n, bucket = flat.numel(), int(self.params["bucket"])
-        full = n // bucket * bucket
-        norms = torch.linalg.vector_norm(flat[:full].view(-1, bucket), dim=1)
-        if full < n:
-            norms = torch.cat([norms, torch.linalg.vector_norm(flat[full:]).reshape(1)])
-        return norms
+        return _buckets.reduce(flat, int(self.params["bucket"]), torch.linalg.vector_norm)
 
     def _encode(self, flat, shape, seed):
         n, bucket, s = flat.numel(), int(self.params["bucket"]), int(self.params["levels"])

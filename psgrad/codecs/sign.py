@@ -42,10 +42,7 @@ class SignCodec(Codec):
             if flat.device.type == "cpu":
                 packed, means = _cpu.negative_bits_and_means(_cpu.host(flat), bucket)
                 return {"scale": torch.from_numpy(means), "signs": torch.from_numpy(packed)}
-            full = n // bucket * bucket
-            scales = flat[:full].view(-1, bucket).abs().mean(1)
-            if full < n:
-                scales = torch.cat([scales, flat[full:].abs().mean().reshape(1)])
+            scales = _buckets.reduce(flat.abs(), bucket, torch.mean)
             return {"scale": scales.float(), "signs": _bits.pack_negative(flat)}
         if flat.device.type == "cpu":
             packed, l1 = _cpu.negative_bits(_cpu.host(flat), with_l1=True)

@@ -73,7 +73,7 @@ def missing_data(dataset: str, data_dir: str | Path) -> str | None:
     there), or None: the check a launch makes before any rank starts."""
     if dataset not in LAYOUTS:
         return None
-    folder, archive, root = LAYOUTS[dataset][0], LAYOUTS[dataset][4], Path(data_dir)
+    (folder, *_, archive), root = LAYOUTS[dataset], Path(data_dir)
     if (root / folder).is_dir() or (root / archive).is_file():
         return None
     return (
