@@ -20,6 +20,7 @@ from psgrad.config import RunConfig
         # 0.988: rounded down, so a combination under the bar never reads as "0.99x"
         ({"codec": "sign:bucket=16", "feedback": "ef", "down_codec": "sign:bucket=16"}, "0.98x"),
         ({"codec": "powersgd:rank=2", "topology": "colocated"}, "0.98x"),
+        ({"codec": "powersgd:rank=4", "topology": "colocated"}, "0.98x"),
         # no down-link: a top-k ring counts as top-k with a dense down-link
         ({"codec": "topk:ratio=0.01", "feedback": "ef", "topology": "alltoall"}, "0.93x"),
     ],
@@ -39,6 +40,8 @@ def test_a_combination_that_trailed_dense_gets_a_note_with_its_measurement(optio
         # a parameter the entry pins sets the codec apart: bucketed sign is not one-scale sign
         {"codec": "sign:bucket=64", "feedback": "ef", "down_codec": "sign:bucket=64"},
         {"codec": "sign:bucket=32", "feedback": "ef", "down_codec": "qsgd:levels=16"},  # at parity
+        {"codec": "powersgd:rank=8", "topology": "colocated"},  # at parity; the rank sets PowerSGDs apart
+        {"codec": "powersgd:rank=16", "topology": "colocated"},  # never measured
     ],
 )
 def test_parity_or_no_measurement_gets_no_note(options):
@@ -53,3 +56,18 @@ def test_every_entry_names_a_real_codec_and_a_docs_section():
         assert entry.feedback in ("none", "ef", "dgc")
         assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
     assert measured(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=16")).of_dense >= PARITY
+
+
+def test_the_bench_default_rows_were_measured_at_parity():
+    """`psgrad bench`'s default rows are what it recommends: each must have a measurement at or
+    above the bar (dense itself aside), so a row that trailed dense cannot become a default."""
+    from psgrad.bench.launcher import item_config
+    from psgrad.cli import bench
+
+    default = next(p.default for p in bench.params if p.name == "bench_codecs")
+    rows = [row for row in default.split(";") if row.split()[0] != "none"]
+    assert rows
+    for row in rows:
+        _, cfg = item_config(row, RunConfig())
+        found = measured(cfg)
+        assert found is not None and found.of_dense >= PARITY, row
