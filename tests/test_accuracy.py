@@ -35,7 +35,8 @@ def test_a_combination_that_trailed_dense_gets_a_note_with_its_measurement(optio
     [
         {"codec": "none"},
         {"codec": "qsgd:levels=16", "down_codec": "qsgd:levels=16"},  # measured at parity
-        {"codec": "qsgd:levels=16"},  # never measured: no note
+        {"codec": "qsgd:levels=16"},  # measured at parity (the README's first command)
+        {"codec": "qsgd:levels=4", "down_codec": "qsgd:levels=4"},  # never measured: no note
         {"codec": "terngrad"},
         # a parameter the entry pins sets the codec apart: bucketed sign is not one-scale sign
         {"codec": "sign:bucket=64", "feedback": "ef", "down_codec": "sign:bucket=64"},
