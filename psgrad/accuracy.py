@@ -5,6 +5,7 @@ combination that trailed dense training.
    feedback, down-link codec, test accuracy as a fraction of dense at equal epochs, and where
    docs/benchmarks.md or docs/training.md shows the runs. A codec is a spec: its name, and the
    parameters that set it apart (``sign:bucket=32``); parameters it leaves out match any value.
+   An entry measured on a gossip topology names it and holds for that topology only.
 2. ``accuracy_note(cfg)`` finds the entry of a run's combination (topologies without a
    down-link count as a dense down-link) and, when it reached less than ``PARITY`` of dense,
    returns one sentence for rank 0 to print at start-up, the fraction rounded down to two places
@@ -33,6 +34,7 @@ class Measured:
     of_dense: float
     setting: str
     where: str
+    topology: str = ""  # "": measured with a server (or alltoall) and taken for any topology
 
 
 MEASURED = (
@@ -69,6 +71,11 @@ MEASURED = (
         "sign:bucket=32", "ef", "qsgd:levels=16", 0.990,
         "sign:bucket=32 up, qsgd:levels=16 down, 15 epochs, median of 6 seeds paired with dense",
         'docs/benchmarks.md, "Sign with a scale per bucket"',
+    ),
+    Measured(
+        "sign:bucket=0", "none", "none", 0.944,
+        "torus 2x4, 8 ranks, sign gossip, 15 epochs, one seed, against dense alltoall",
+        'docs/training.md, "Decentralized training"', topology="torus",
     ),
     Measured(
         "topk", "ef", "topk", 0.843, "topk:ratio=0.01,approx=1 both ways, 15 epochs, median of 3 seeds",
@@ -108,11 +115,19 @@ def covers(entry_spec: str, spec: str) -> bool:
 
 
 def measured(cfg: RunConfig) -> Measured | None:
-    """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one."""
+    """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one
+    (an entry measured on one topology holds for that topology only)."""
     has_down_link = LAYOUTS[cfg.topology] in ("separate", "colocated")
     down = cfg.down_codec if has_down_link else "none"
     return next(
-        (m for m in MEASURED if m.feedback == cfg.feedback and covers(m.codec, cfg.codec) and covers(m.down, down)),
+        (
+            m
+            for m in MEASURED
+            if m.topology in ("", cfg.topology)
+            and m.feedback == cfg.feedback
+            and covers(m.codec, cfg.codec)
+            and covers(m.down, down)
+        ),
         None,
     )
 

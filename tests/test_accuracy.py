@@ -21,6 +21,8 @@ from psgrad.config import RunConfig
         ({"codec": "sign:bucket=16", "feedback": "ef", "down_codec": "sign:bucket=16"}, "0.98x"),
         ({"codec": "powersgd:rank=2", "topology": "colocated"}, "0.98x"),
         ({"codec": "powersgd:rank=4", "topology": "colocated"}, "0.98x"),
+        # an entry measured on the torus holds there
+        ({"codec": "sign", "topology": "torus", "grid": "2x4"}, "0.94x"),
         # no down-link: a top-k ring counts as top-k with a dense down-link
         ({"codec": "topk:ratio=0.01", "feedback": "ef", "topology": "alltoall"}, "0.93x"),
     ],
@@ -43,6 +45,8 @@ def test_a_combination_that_trailed_dense_gets_a_note_with_its_measurement(optio
         {"codec": "sign:bucket=32", "feedback": "ef", "down_codec": "qsgd:levels=16"},  # at parity
         {"codec": "powersgd:rank=8", "topology": "colocated"},  # at parity; the rank sets PowerSGDs apart
         {"codec": "powersgd:rank=16", "topology": "colocated"},  # never measured
+        {"codec": "sign", "topology": "ring"},  # the torus entry is not the ring's (at parity there)
+        {"codec": "sign"},  # ... nor sign's without error feedback through a server (never measured)
     ],
 )
 def test_parity_or_no_measurement_gets_no_note(options):
