@@ -217,9 +217,19 @@ def test_the_cli_refuses_to_run_under_mpiexec():
 def test_the_simulation_benchmark_reports_every_codec(capsys):
     from psgrad.bench.simulation import main
 
-    main(["--workers", "2", "--batch-size", "4", "--codecs", "none,sign", "--steps", "7", "--model", "convnet"])
+    rows = ("none", "sign --feedback ef --granularity model")
+    main(["--workers", "2", "--batch-size", "4", "--codecs", ";".join(rows), "--steps", "7", "--model", "convnet"])
     out = capsys.readouterr().out
     assert "Alone, batch 8, the fastest of 3 runs" in out
-    for codec in ("none", "sign"):
-        rows = [line for line in out.splitlines() if line.startswith(f"| {codec} |")]
-        assert len(rows) == 2, out  # the speed table and the breakdown
+    for row in rows:
+        lines = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
+        assert len(lines) == 2, out  # the speed table and the breakdown
+
+
+def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):
+    from psgrad.bench.simulation import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--codecs", "none;sign --granularity tensor"])
+    assert exit_info.value.code == 2
+    assert "--granularity" in capsys.readouterr().err

@@ -1,13 +1,14 @@
 """How fast ``psgrad simulate`` runs N workers, against one worker training alone on the same
-total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --codecs none,sign``.
+total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --codecs "none;sign"``.
 
 1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9),
    once with one torch thread (a psgrad worker's default) and once with one thread per core.
    Its rate is the median step time's inverse. It is measured before the simulations and again
-   after each codec's, and the fastest run is the baseline: on this VM the same loop varied
+   after each row's, and the fastest run is the baseline: on this VM the same loop varied
    from 6 to 8.3 it/s between runs minutes apart (its batch of 128 faults in fresh pages
    each step), far more than the simulations did.
-2. Simulated: ``simulate`` with N workers of batch B, for each codec, once with one core
+2. Simulated: ``simulate`` with N workers of batch B, for each row (a codec spec, optionally
+   followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
    (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
    median step rate after the first five steps.
 3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
@@ -32,6 +33,7 @@ from ..data import ShardLoader, load_dataset
 from ..models import build_model
 from ..simulate import simulate
 from .codecbench import cpu_name
+from .launcher import item_config
 
 WARMUP = 5
 
@@ -83,7 +85,7 @@ def simulated(cfg: RunConfig, workers: int, cores: int) -> dict:
     }
 
 
-def report(workers: int, batch: int, codecs: list[str], steps: int, base: RunConfig) -> str:
+def report(workers: int, batch: int, items: list[str], steps: int, base: RunConfig) -> str:
     """The markdown tables of one measurement (see the module docstring)."""
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
@@ -94,9 +96,9 @@ def report(workers: int, batch: int, codecs: list[str], steps: int, base: RunCon
 
     measure_alone()
     results = {}
-    for codec in codecs:
-        cfg = RunConfig(**{**base.__dict__, "codec": codec})
-        results[codec] = simulated(cfg, workers, 1), simulated(cfg, workers, cores)
+    for item in items:
+        cfg = item_config(item, base)[1]
+        results[item] = simulated(cfg, workers, 1), simulated(cfg, workers, cores)
         measure_alone()
     torch.set_num_threads(1)
     one, every = max(alone_rates[1]), max(alone_rates[cores])
@@ -105,11 +107,11 @@ def report(workers: int, batch: int, codecs: list[str], steps: int, base: RunCon
         f"width {base.widen_factor}), synthetic data, {steps} steps",
         "",
         f"Alone, batch {workers * batch}, the fastest of {len(alone_rates[1])} runs (one before the simulations, "
-        f"one after each codec's): {one:.2f} it/s with 1 thread "
+        f"one after each row's): {one:.2f} it/s with 1 thread "
         f"({', '.join(f'{r:.2f}' for r in alone_rates[1])}), {every:.2f} it/s with {cores} "
         f"({', '.join(f'{r:.2f}' for r in alone_rates[cores])}).",
         "",
-        f"| codec | {workers}x{batch} simulated, 1 core | ratio to alone, 1 thread | simulated, {cores} cores "
+        f"| row | {workers}x{batch} simulated, 1 core | ratio to alone, 1 thread | simulated, {cores} cores "
         f"| ratio to alone, {cores} threads | ratio to alone, 1 thread | final loss |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -117,16 +119,16 @@ def report(workers: int, batch: int, codecs: list[str], steps: int, base: RunCon
         "",
         "One-core step, ms: compute = N x (forward + backward), coding = N x (encode + decode) + server decode",
         "",
-        "| codec | step | compute | coding | optimizer | bookkeeping |",
+        "| row | step | compute | coding | optimizer | bookkeeping |",
         "|---|---|---|---|---|---|",
     ]
-    for codec, (single, full) in results.items():
+    for item, (single, full) in results.items():
         lines.append(
-            f"| {codec} | {single['rate']:.2f} it/s | {single['rate'] / one:.2f}x | {full['rate']:.2f} it/s "
+            f"| {item} | {single['rate']:.2f} it/s | {single['rate'] / one:.2f}x | {full['rate']:.2f} it/s "
             f"| {full['rate'] / every:.2f}x | {full['rate'] / one:.2f}x | {full['loss']:.3f} |"
         )
         parts = [1000.0 / single["rate"], single["compute"], single["coding"], single["optimizer"], single["rest"]]
-        breakdown.append(f"| {codec} | " + " | ".join(f"{p:.0f}" for p in parts) + " |")
+        breakdown.append(f"| {item} | " + " | ".join(f"{p:.0f}" for p in parts) + " |")
     return "\n".join(lines + breakdown)
 
 
@@ -134,7 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m psgrad.bench.simulation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=16, help="Simulated workers N.")
     parser.add_argument("--batch-size", type=int, default=8, help="Batch per simulated worker B.")
-    parser.add_argument("--codecs", default="none,sign", help="Comma-separated codec specs to simulate.")
+    parser.add_argument(
+        "--codecs",
+        default="none;sign",
+        help="Semicolon-separated rows to simulate: a codec spec, optionally followed by train options "
+        'for that row, as in psgrad bench ("sign:bucket=32 --feedback ef --granularity model").',
+    )
     parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
     args = parser.parse_args(argv)
@@ -144,7 +151,13 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, depth=10, widen_factor=1, batch_size=args.batch_size, steps=args.steps,
         dataset="synthetic", progress=False, eval_every=0,
     )  # fmt: skip
-    print(report(args.workers, args.batch_size, args.codecs.split(","), args.steps, base))
+    items = [item.strip() for item in args.codecs.split(";") if item.strip()]
+    try:
+        for item in items:
+            item_config(item, base)
+    except ValueError as err:
+        parser.error(str(err))
+    print(report(args.workers, args.batch_size, items, args.steps, base))
 
 
 if __name__ == "__main__":
