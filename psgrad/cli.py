@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import torch
 
+from .allocator import keep_freed_memory
 from .bench import codecbench
 from .codecs import available_codecs, make_codec
 from .models import MODELS, build_model
@@ -131,6 +132,7 @@ def codecs(
     """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
     bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
     torch.set_num_threads(threads)
+    keep_freed_memory()
     if model is not None:
         net = build_model(model, int(classes), depth=depth, widen_factor=widen_factor)
         shapes = [tuple(p.shape) for p in net.parameters()]

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import checkpoint
 from .accuracy import accuracy_note
+from .allocator import keep_freed_memory
 from .codecs import make_codec
 from .comm import wire
 from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
@@ -126,6 +127,7 @@ class RunContext:
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it)."""
         torch.set_num_threads(cfg.threads)
+        keep_freed_memory()
         layout = RankLayout(transport.size, cfg.servers, cfg.topology)
         rank = transport.rank
         with _GLOBAL_RNG:

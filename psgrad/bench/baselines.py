@@ -30,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader, eval_batches, load_dataset
 from ..models import build_model
@@ -126,6 +127,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     from ..comm.transport import Transport  # imported here: importing mpi4py initialises MPI
 
     torch.set_num_threads(cfg.threads)
+    keep_freed_memory()
     transport = Transport()
     rank, workers = transport.rank, transport.size
     model, loader = _model_and_loader(cfg, rank, workers)

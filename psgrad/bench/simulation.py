@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader, load_dataset
 from ..models import build_model
@@ -41,6 +42,7 @@ WARMUP = 5
 def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
     """Steps per second of one model trained alone on batches of ``total_batch``."""
     torch.set_num_threads(threads)
+    keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor)
     data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
