@@ -16,6 +16,8 @@ imports it. For every size and pair of the same method:
    both start with the tensor out of cache (as a layer's gradient is after backward).
 3. Report both medians, psgrad's GB/s (dense fp32 bytes / round trip) and the median of the
    per-round ratios GRACE time / psgrad time (> 1: psgrad is faster).
+Both libraries share the process, so both run with the malloc setting every psgrad process uses
+(freed memory kept, psgrad/allocator.py; ``PSGRAD_MALLOC=system`` for glibc's defaults).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from psgrad.allocator import keep_freed_memory
 from psgrad.bench import codecbench
 from psgrad.codecs import make_codec
 from psgrad.comm import wire
@@ -111,7 +114,8 @@ def main() -> None:
     if not (opts.grace / "grace_dl" / "torch" / "compressor").is_dir():
         parser.error(f"{opts.grace} is not a checkout of sands-lab/grace (no grace_dl/torch/compressor)")
     torch.set_num_threads(1)
-    print(json.dumps(codecbench.machine()))
+    malloc = keep_freed_memory()
+    print(json.dumps({**codecbench.machine(), "malloc": malloc}))
     print(f"{'size':>9s} {'psgrad':28s} {'GRACE':22s} {'psgrad ms':>9s} {'GRACE ms':>9s} {'GB/s':>8s} {'speedup':>9s}")
     rows = compare(
         opts.grace,
