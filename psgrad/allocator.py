@@ -5,8 +5,9 @@ glibc's default malloc, a buffer over the mmap threshold (128 KiB, raised on the
 is mapped fresh from the kernel when allocated and unmapped when freed, and free memory at the top
 of the heap goes back to the kernel beyond 128 KiB; either way the next step faults every page of
 it in again. On the 2-core development VM this cost WRN-10-1 on batches of 128 a quarter of its
-speed (6.2-7.7 against 9.2-9.7 it/s), and a WRN-16-4 ``psgrad bench`` run 70 % of its system time;
-psgrad's ranks, which also code and frame messages, lost more than DDP did (docs/benchmarks.md).
+speed (6.2-7.7 against 9.2-9.7 it/s) and doubled the system time of a WRN-16-4 ``psgrad bench``
+run (100 s against 48); psgrad's ranks, which also code and frame messages, lost more than DDP
+did (docs/benchmarks.md).
 
 ``keep_freed_memory``:
 1. Does nothing when the C library has no ``mallopt`` (not glibc), when ``PSGRAD_MALLOC=system``,

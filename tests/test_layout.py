@@ -52,7 +52,7 @@ def _internal(name: str) -> set[str]:
 
 # (floor, module prefixes): a module may import only from its own floor or below
 FLOORS = [
-    (0, ["psgrad.codecs", "psgrad.models", "psgrad.data"]),
+    (0, ["psgrad.codecs", "psgrad.models", "psgrad.data", "psgrad.allocator"]),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
     (2, ["psgrad.comm.local", "psgrad.accuracy"]),

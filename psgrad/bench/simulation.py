@@ -4,9 +4,9 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
 1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9),
    once with one torch thread (a psgrad worker's default) and once with one thread per core.
    Its rate is the median step time's inverse. It is measured before the simulations and again
-   after each row's, and the fastest run is the baseline: on this VM the same loop varied
-   from 6 to 8.3 it/s between runs minutes apart (its batch of 128 faults in fresh pages
-   each step), far more than the simulations did.
+   after each row's, and the fastest run is the baseline: with glibc's default malloc the same
+   loop varied from 6 to 9 it/s between runs minutes apart on this VM (its batch of 128 faulted
+   in fresh pages each step); with freed memory kept (psgrad/allocator.py) it stays within 7 %.
 2. Simulated: ``simulate`` with N workers of batch B, for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
    (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
