@@ -10,7 +10,8 @@ run (100 s against 48); psgrad's ranks, which also code and frame messages, lost
 did (docs/benchmarks.md).
 
 ``keep_freed_memory``:
-1. Does nothing when the C library has no ``mallopt`` (not glibc), when ``PSGRAD_MALLOC=system``,
+1. Does nothing when the C library has no ``mallopt`` (not glibc), when ``PSGRAD_MALLOC=system``
+   (``keep``, the default, tunes),
    or when the user already chose: a ``MALLOC_*_`` variable, ``GLIBC_TUNABLES``, or another
    allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc).
 2. Sets the mmap threshold to 1 GiB (32 MiB, the most older glibc accepts, if refused): buffers come
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import warnings
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -34,9 +36,13 @@ _state: str | None = None
 
 
 def user_choice(environ: dict[str, str] | os._Environ) -> str | None:
-    """Why malloc is left as it is, if the environment says so; None when psgrad may tune it."""
-    if environ.get("PSGRAD_MALLOC", "") == "system":
+    """Why malloc is left as it is, if the environment says so; None when psgrad may tune it.
+    ``PSGRAD_MALLOC`` other than ``keep``, ``system`` or empty warns and counts as ``keep``."""
+    setting = environ.get("PSGRAD_MALLOC", "")
+    if setting == "system":
         return "PSGRAD_MALLOC=system"
+    if setting not in ("", "keep"):
+        warnings.warn(f"PSGRAD_MALLOC must be keep or system, got {setting!r}: keeping freed memory", stacklevel=2)
     tuned = sorted(k for k in environ if k.startswith("MALLOC_") and k.endswith("_"))
     if tuned:
         return f"{tuned[0]} is set"

@@ -61,6 +61,11 @@ def test_the_users_own_allocator_settings_win(environ, reason):
     assert user_choice(environ) == reason
 
 
+def test_a_misspelt_setting_warns_and_keeps():
+    with pytest.warns(UserWarning, match="PSGRAD_MALLOC must be keep or system, got 'sytem'"):
+        assert user_choice({"PSGRAD_MALLOC": "sytem"}) is None
+
+
 def test_every_training_rank_tunes_its_process(monkeypatch):
     import psgrad.allocator as allocator
     from psgrad.config import RunConfig

@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi, run_script
+from conftest import SCRIPTS, run_mpi, run_script
 
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, augment, load_cifar, load_dataset
@@ -289,15 +289,22 @@ def test_proxy_set_is_generated_labelled_and_harder_than_synthetic():
     assert RunConfig(dataset="proxy").dataset_label == "proxy (synthetic)"
 
 
-def test_memory_stays_flat_over_a_long_run():
+@pytest.mark.parametrize("malloc, bound_kb", [("system", 4096), ("keep", 32768)])
+def test_memory_stays_flat_over_a_long_run(malloc, bound_kb):
     """2,000 steps (the 10,000-step soak is `mpiexec -n 3 python tests/mpi_scripts/soak.py`): after
-    the warm-up no rank may grow by more than 4 MB; a leak of a few KB per message shows here."""
-    proc = run_script("soak.py", "2000", timeout=300)
+    the warm-up no rank may grow by more than the bound.
+
+    With glibc's defaults (``PSGRAD_MALLOC=system``) freed memory goes back to the kernel, so
+    resident memory follows what is live: a leak of a few KB per message shows against 4 MB. With
+    freed memory kept (psgrad's setting, psgrad/allocator.py) resident memory is the peak of what
+    was ever live, so a one-off overlap (an evaluation beside a step) stays as a step of a few MB;
+    the looser bound there catches a heap that keeps growing through fragmentation."""
+    proc = run_mpi([sys.executable, str(SCRIPTS / "soak.py"), "2000"], timeout=300, env={"PSGRAD_MALLOC": malloc})
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"SOAK rank=(\d) warm=(\d+) peak=(\d+)", proc.stdout)
     assert len(found) == 3, proc.stdout
     for rank, warm, peak in found:
-        assert int(peak) - int(warm) < 4096, f"rank {rank} grew {int(peak) - int(warm)} KB after warm-up"
+        assert int(peak) - int(warm) < bound_kb, f"rank {rank} grew {int(peak) - int(warm)} KB after warm-up"
 
 
 @pytest.mark.parametrize("mode,overlap", [("background", "yes"), ("foreground", "no")])
