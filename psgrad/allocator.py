@@ -11,9 +11,8 @@ did (docs/benchmarks.md).
 
 ``keep_freed_memory``:
 1. Does nothing when the C library has no ``mallopt`` (not glibc), when ``PSGRAD_MALLOC=system``
-   (``keep``, the default, tunes),
-   or when the user already chose: a ``MALLOC_*_`` variable, ``GLIBC_TUNABLES``, or another
-   allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc).
+   (``keep``, the default, tunes), or when the user already chose: a ``MALLOC_*_`` variable,
+   ``GLIBC_TUNABLES``, or another allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc).
 2. Sets the mmap threshold to 1 GiB (32 MiB, the most older glibc accepts, if refused): buffers come
    from the heap, and a freed one is reused by the next allocation of its size.
 3. Sets the trim threshold to 1 GiB: free memory at the heap's top stays unless it exceeds that.
