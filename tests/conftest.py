@@ -47,5 +47,7 @@ def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None 
     return run_bounded([mpiexec(), "-n", str(n), *args], timeout, env)
 
 
-def run_script(name: str, *args: str, n: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_mpi([sys.executable, str(SCRIPTS / name), *args], n=n, timeout=timeout)
+def run_script(
+    name: str, *args: str, n: int = 3, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return run_mpi([sys.executable, str(SCRIPTS / name), *args], n=n, timeout=timeout, env=env)

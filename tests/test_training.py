@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPTS, run_mpi, run_script
+from conftest import run_mpi, run_script
 
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, augment, load_cifar, load_dataset
@@ -299,7 +299,7 @@ def test_memory_stays_flat_over_a_long_run(malloc, bound_kb):
     freed memory kept (psgrad's setting, psgrad/allocator.py) resident memory is the peak of what
     was ever live, so a one-off overlap (an evaluation beside a step) stays as a step of a few MB;
     the looser bound there catches a heap that keeps growing through fragmentation."""
-    proc = run_mpi([sys.executable, str(SCRIPTS / "soak.py"), "2000"], timeout=300, env={"PSGRAD_MALLOC": malloc})
+    proc = run_script("soak.py", "2000", timeout=300, env={"PSGRAD_MALLOC": malloc})
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"SOAK rank=(\d) warm=(\d+) peak=(\d+)", proc.stdout)
     assert len(found) == 3, proc.stdout

@@ -87,8 +87,8 @@ def simulated(cfg: RunConfig, workers: int, cores: int) -> dict:
     }
 
 
-def report(workers: int, batch: int, items: list[str], steps: int, base: RunConfig) -> str:
-    """The markdown tables of one measurement (see the module docstring)."""
+def report(workers: int, batch: int, rows: dict[str, RunConfig], steps: int, base: RunConfig) -> str:
+    """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
 
@@ -98,8 +98,7 @@ def report(workers: int, batch: int, items: list[str], steps: int, base: RunConf
 
     measure_alone()
     results = {}
-    for item in items:
-        cfg = item_config(item, base)[1]
+    for item, cfg in rows.items():
         results[item] = simulated(cfg, workers, 1), simulated(cfg, workers, cores)
         measure_alone()
     torch.set_num_threads(1)
@@ -155,11 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     items = [item.strip() for item in args.codecs.split(";") if item.strip()]
     try:
-        for item in items:
-            item_config(item, base)
+        rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
         parser.error(str(err))
-    print(report(args.workers, args.batch_size, items, args.steps, base))
+    print(report(args.workers, args.batch_size, rows, args.steps, base))
 
 
 if __name__ == "__main__":
