@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -32,6 +34,35 @@ _ONE = np.uint32(0x3F80_0000)  # the bits of 1.0f: OR-ed under 23 random mantiss
 
 
 _F = TypeVar("_F", bound=Callable)
+
+
+def _load_compiled():
+    """The compiled kernels, or None: ``PSGRAD_KERNELS=numpy``, or the install had no compiler."""
+    choice = os.environ.get("PSGRAD_KERNELS", "compiled")
+    if choice not in ("compiled", "numpy"):
+        warnings.warn(f"PSGRAD_KERNELS={choice!r} is neither 'compiled' nor 'numpy'; using compiled", stacklevel=2)
+    if choice == "numpy":
+        return None
+    try:
+        from . import _kernels
+    except ImportError:
+        return None
+    return _kernels
+
+
+compiled = _load_compiled()
+"""The compiled kernels' module when they run, else None (tests set it to None for numpy's)."""
+
+
+def kernels_name() -> str:
+    """Which kernels run, for reports: "compiled" or "numpy"."""
+    return "compiled" if compiled is not None else "numpy"
+
+
+def native(*arrays: np.ndarray) -> bool:
+    """Whether the compiled kernels can take these arrays: they run, and every array is
+    C-contiguous (the kernels read raw memory)."""
+    return compiled is not None and all(a.flags.c_contiguous for a in arrays)
 
 
 def quiet(fn: _F) -> _F:
@@ -76,6 +107,9 @@ def negative_bits(x: np.ndarray, with_l1: bool = False) -> tuple[np.ndarray, flo
     with ``with_l1`` also the sum of ``|x|`` (float64 across blocks), in the same pass."""
     n = x.size
     packed = np.empty((n + 7) // 8, dtype=np.uint8)
+    if native(x) and x.dtype == np.float32:
+        l1 = compiled.negative_bits(x, packed)
+        return packed, l1 if with_l1 else 0.0
     negative = block_buffer(n, np.bool_)
     magnitude = block_buffer(n, np.float32) if with_l1 else None
     ones = np.ones_like(magnitude) if with_l1 else None
@@ -90,12 +124,15 @@ def negative_bits(x: np.ndarray, with_l1: bool = False) -> tuple[np.ndarray, flo
 
 
 @quiet
-def add_rows(rows: np.ndarray, packed: np.ndarray, out: np.ndarray, scale: float) -> None:
-    """``out += scale * rows[packed].ravel()[:out.size]``: a 256 x 8 table turns each packed byte
-    into its 8 values at once, one block at a time (no full-size temporary)."""
+def add_bits(packed: np.ndarray, out: np.ndarray, if_set: float, if_clear: float) -> None:
+    """``out[i] += if_set`` where bit i of ``packed`` is set, else ``if_clear`` (sign: -s / +s; a
+    TernGrad plane: +-s / 0). In numpy a 256 x 8 table turns each packed byte into its 8 values
+    at once, one block at a time (no full-size temporary)."""
     n = out.size
-    if scale != 1.0:
-        rows = rows * np.float32(scale)  # 2,048 products instead of one per element
+    if native(packed, out) and out.dtype == np.float32:
+        compiled.add_bits(packed, if_set, if_clear, out)
+        return
+    rows = np.where(BIT_ROWS > 0, np.float32(if_set), np.float32(if_clear))  # 2,048 values, not n
     values = np.empty((min(n, BLOCK) + 7) // 8 * 8, dtype=np.float32)
     for start, stop in blocks(n):
         count, nbytes = stop - start, (stop - start + 7) // 8
@@ -113,6 +150,9 @@ def negative_bits_and_means(x: np.ndarray, bucket: int) -> tuple[np.ndarray, np.
     may be short) from the same block while it is in cache: a BLAS product with a 1/bucket column."""
     n, multiple = x.size, math.lcm(bucket, 8)
     packed, means = np.empty((n + 7) // 8, dtype=np.uint8), np.empty(-(-n // bucket), dtype=np.float32)
+    if native(x) and x.dtype == np.float32:
+        compiled.negative_bits_means(x, bucket, packed, means)
+        return packed, means
     negative, magnitude = block_buffer(n, np.bool_, multiple), block_buffer(n, np.float32, multiple)
     column = np.full(bucket, 1.0 / bucket, dtype=np.float32)
     for start, stop in blocks(n, multiple):
@@ -130,8 +170,11 @@ def negative_bits_and_means(x: np.ndarray, bucket: int) -> tuple[np.ndarray, np.
 @quiet
 def add_signs_per_bucket(packed: np.ndarray, out: np.ndarray, factors: np.ndarray, bucket: int) -> None:
     """``out[i] += factors[i // bucket] * (-1 if bit i is set else +1)``, block by block through the
-    256 x 8 sign table (as :func:`add_rows`), each block's signs scaled by its buckets' factors."""
+    256 x 8 sign table (as :func:`add_bits`), each block's signs scaled by its buckets' factors."""
     n, multiple = out.size, math.lcm(bucket, 8)
+    if native(packed, out, factors) and out.dtype == factors.dtype == np.float32:
+        compiled.add_signs_per_bucket(packed, factors, bucket, out)
+        return
     values = np.empty((min(n, _block_size(multiple)) + 7) // 8 * 8, dtype=np.float32)
     for start, stop in blocks(n, multiple):
         count, nbytes = stop - start, (stop - start + 7) // 8
@@ -147,6 +190,11 @@ def entries_at_least(x: np.ndarray, threshold: float) -> tuple[np.ndarray, np.nd
     """The sorted int64 indices of the entries with ``|x| >= threshold``, and their values
     (gathered from each block while it is still in cache)."""
     n = x.size
+    if native(x) and x.dtype == np.float32:
+        # capacity for every entry; pages that no entry reaches are never touched
+        indices, values = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.float32)
+        found = compiled.entries_at_least(x, threshold, indices, values)
+        return indices[:found].copy(), values[:found].copy()
     magnitude, keep = block_buffer(n, np.float32), block_buffer(n, np.bool_)
     indices, values = [], []
     for start, stop in blocks(n):
@@ -180,10 +228,14 @@ class Uniforms:
     """
 
     def __init__(self, seed: int, capacity: int) -> None:
-        state = np.random.SeedSequence(int(seed) & 0xFFFF_FFFF_FFFF_FFFF).generate_state(1, np.uint32)
-        self._key = int(state[0])
+        self._key = self.key(seed)
         self._base = np.arange(capacity, dtype=np.uint32) * _GOLDEN
         self._words, self._shifted = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=np.uint32)
+
+    @staticmethod
+    def key(seed: int) -> int:
+        """Step 1: the 32-bit key of ``seed`` (the compiled QSGD kernel draws from it too)."""
+        return int(np.random.SeedSequence(int(seed) & 0xFFFF_FFFF_FFFF_FFFF).generate_state(1, np.uint32)[0])
 
     def at(self, start: int, count: int) -> np.ndarray:
         """The draws of elements ``start .. start + count - 1`` (a view of a reused buffer)."""

@@ -69,7 +69,8 @@ class SignCodec(Codec):
             out.view(-1).add_(_buckets.per_bucket(signs, bucket, scale).to(out.dtype), alpha=alpha)
             return
         if on_cpu:
-            _cpu.add_rows(_cpu.SIGN_ROWS, _cpu.host(msg.arrays["signs"]), _cpu.host(out.view(-1)), alpha * float(scale))
+            signed = alpha * float(scale)
+            _cpu.add_bits(_cpu.host(msg.arrays["signs"]), _cpu.host(out.view(-1)), -signed, signed)
             return
         signs = _bits.unpack_signs(msg.arrays["signs"].to(out.device), msg.numel)
         out.view(-1).addcmul_(signs, scale, value=alpha)

@@ -92,8 +92,8 @@ class TernGradCodec(Codec):
             return
         codes, plane = _cpu.host(msg.arrays["codes"]), _bits.packed_nbytes(msg.numel, 1)
         scale, target = alpha * float(msg.arrays["scale"][0]), _cpu.host(out.view(-1))
-        _cpu.add_rows(_cpu.BIT_ROWS, codes[:plane], target, scale)
-        _cpu.add_rows(_cpu.BIT_ROWS, codes[plane:], target, -scale)
+        _cpu.add_bits(codes[:plane], target, scale, 0.0)
+        _cpu.add_bits(codes[plane:], target, -scale, 0.0)
 
     def _decode(self, msg: Message, device):
         codes, plane = msg.arrays["codes"].to(device), _bits.packed_nbytes(msg.numel, 1)
