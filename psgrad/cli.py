@@ -146,7 +146,10 @@ def codecs(
             click.echo(text)
             return
         Path(json_path).write_text(text + "\n")
-    click.echo(f"median of {repeat}, {threads} thread(s), caches cold before every call")
+    click.echo(
+        f"median of {repeat}, {threads} thread(s), caches cold before every call, "
+        f"{codecbench.machine()['kernels']} kernels (PSGRAD_KERNELS, docs/codecs.md)"
+    )
     click.echo(codecbench.table(rows))
     click.echo(f"available codecs: {', '.join(available_codecs())}")
 

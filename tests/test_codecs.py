@@ -31,14 +31,17 @@ SPECS = [
 SHAPES = [(1,), (1001,), (7, 5), (16, 3, 3, 3), ()]
 
 
-@pytest.fixture(autouse=True, params=["blocks of 65536", "blocks of 64"])
+@pytest.fixture(autouse=True, params=["compiled kernels", "numpy, blocks of 65536", "numpy, blocks of 64"])
 def cpu_block(request, monkeypatch):
-    """Every test runs twice: with the CPU kernels' real block size (one block for these small
-    tensors) and with 64-element blocks, so that block edges, short last blocks and buckets
-    spanning blocks are all crossed."""
+    """Every test runs three times: with the compiled kernels (where the install built them;
+    tests/test_kernels.py checks that it did), and with the numpy kernels at their real block
+    size (one block for these small tensors) and at 64-element blocks, so that block edges,
+    short last blocks and buckets spanning blocks are all crossed."""
     from psgrad.codecs import _cpu
 
-    monkeypatch.setattr(_cpu, "BLOCK", int(request.param.split()[-1]))
+    if request.param.startswith("numpy"):
+        monkeypatch.setattr(_cpu, "compiled", None)
+        monkeypatch.setattr(_cpu, "BLOCK", int(request.param.split()[-1]))
 
 
 def test_every_registered_codec_is_tested():
