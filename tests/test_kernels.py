@@ -122,7 +122,9 @@ def test_short_buffers_raise_instead_of_overrunning():
     [("numpy", "numpy", False), ("compiled", None, False), ("fastest", None, True)],
 )
 def test_psgrad_kernels_chooses_and_a_misspelling_warns(value, expected, warns):
-    code = "import warnings; warnings.simplefilter('always'); from psgrad.codecs import _cpu; print(_cpu.kernels_name())"
+    code = (
+        "import warnings; warnings.simplefilter('always'); from psgrad.codecs import _cpu; print(_cpu.kernels_name())"
+    )
     env = {**os.environ, "PSGRAD_KERNELS": value}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == (expected or _cpu.kernels_name())
