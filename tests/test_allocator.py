@@ -75,3 +75,52 @@ def test_every_training_rank_tunes_its_process(monkeypatch):
     monkeypatch.setenv("PSGRAD_MALLOC", "system")  # so that this test process stays as it was
     simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every=0, timeout=60), 1)
     assert allocator._state == "left as it is: PSGRAD_MALLOC=system"
+
+
+# Two live threads: the first allocates and frees a 4 MiB activation, then the second allocates
+# one; prints whether it got the same address (the freed pages, still in cache).
+_TURNS = """
+import sys, threading, torch
+from psgrad.allocator import keep_freed_memory, share_one_arena
+print(share_one_arena() if sys.argv[1] == "shared" else keep_freed_memory())
+freed, addresses = threading.Event(), []
+def first():
+    activation = torch.ones(1 << 20)
+    addresses.append(activation.data_ptr())
+    del activation
+    freed.set()
+    done.wait()
+def second():
+    freed.wait()
+    addresses.append(torch.ones(1 << 20).data_ptr())
+    done.set()
+done = threading.Event()
+threads = [threading.Thread(target=first), threading.Thread(target=second)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(addresses[0] == addresses[1])
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_simulated_ranks_reuse_each_others_freed_pages():
+    """With one arena (psgrad simulate), a thread's allocation takes the block another live thread
+    just freed; with an arena per thread (glibc's default for threads) it does not."""
+    unset = {k: None for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    results = {}
+    for mode in ("shared", "per-thread"):
+        done = run_bounded([sys.executable, "-c", _TURNS, mode], 120, env={**unset, "PSGRAD_MALLOC": "keep"})
+        assert done.returncode == 0, done.stderr
+        results[mode] = done.stdout.strip().splitlines()
+    assert results["shared"] == ["freed memory is kept, one arena for all threads", "True"]
+    assert results["per-thread"] == ["freed memory is kept", "False"]
+
+
+def test_simulate_gives_its_threads_one_arena(monkeypatch):
+    import psgrad.simulate as simulation
+    from psgrad.config import RunConfig
+
+    calls = []
+    monkeypatch.setattr(simulation, "share_one_arena", lambda: calls.append(1))
+    simulation.simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every=0, timeout=60), 1)
+    assert calls == [1]
