@@ -17,12 +17,6 @@ did (docs/benchmarks.md).
    from the heap, and a freed one is reused by the next allocation of its size.
 3. Sets the trim threshold to 1 GiB: free memory at the heap's top stays unless it exceeds that.
 The cost: the process keeps its peak memory until it exits. It is done once per process.
-
-``share_one_arena`` (``psgrad simulate`` only, where the ranks are threads that take turns on the
-cores) also sets glibc's arena count to 1, under the same conditions: each thread would otherwise
-allocate from an arena of its own, so sixteen ranks' activations would live at sixteen sets of
-addresses, far more than the caches hold; with one arena the next rank's step reuses the pages
-the last one just freed, still in cache.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import warnings
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
 _GIB = 1 << 30
 _OLD_GLIBC_MMAP_MAX = 32 << 20
 
@@ -67,31 +60,13 @@ def keep_freed_memory() -> str:
     return _state
 
 
-def share_one_arena() -> str:
-    """Keep freed memory and give every thread the one malloc arena (see the module docstring);
-    what was done. Call it before the threads start."""
-    state = keep_freed_memory()
-    if state != "freed memory is kept":
-        return state
-    libc = _libc()
-    if libc is None or not libc.mallopt(_M_ARENA_MAX, 1):
-        return f"{state}; mallopt refused one arena"
-    return f"{state}, one arena for all threads"
-
-
-def _libc():
-    """The C library if it has ``mallopt``, else None."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return libc if libc is not None and hasattr(libc, "mallopt") else None
-
-
 def _tune() -> str:
     reason = user_choice(os.environ)
     if reason is not None:
         return f"left as it is: {reason}"
-    libc = _libc()
-    if libc is None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
         return "left as it is: the C library has no mallopt"
     if not libc.mallopt(_M_MMAP_THRESHOLD, _GIB) and not libc.mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_MAX):
         return "left as it is: mallopt refused the mmap threshold"

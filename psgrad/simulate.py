@@ -12,9 +12,7 @@
 
 Torch runs each rank's operations in that rank's thread and releases the GIL inside them, so the
 ranks compute in parallel on the machine's cores, at most ``--cores`` of them at a time (the
-local transport's core tokens); ``--threads`` stays the torch threads per rank. The threads share
-one malloc arena (``allocator.share_one_arena``): a rank's step reuses the pages the rank before
-it just freed, still in cache.
+local transport's core tokens); ``--threads`` stays the torch threads per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from collections.abc import Callable, Iterable
 import torch.nn.functional as F
 from torch import nn
 
-from .allocator import share_one_arena
 from .comm.local import LocalTransport, LocalWorld
 from .comm.protocol import RankLayout, grid_places
 from .config import RunConfig
@@ -64,7 +61,6 @@ def simulate(
     The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
     at a time (default: the cores this process may use). Raises the first error any rank hit."""
     size = world_size(cfg, workers)
-    share_one_arena()  # before the ranks' threads start: they then reuse each other's freed pages
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
     results: list[RunResult | None] = [None] * size
     errors: list[BaseException] = []
