@@ -27,7 +27,6 @@ gradients are handed to the server as messages and their replies taken from it, 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -372,7 +371,7 @@ class Worker:
 
     def report(self, stats: StepStats) -> None:
         """Send the step's numbers to the metrics rank (it writes metrics.csv, drives the progress bar)."""
-        meta = {k: v for k, v in asdict(stats).items() if k != "step"}
+        meta = {k: v for k, v in vars(stats).items() if k != "step"}  # flat fields: no deep copy
         self._control(control_message("stats", self.rank, stats.step, **meta), self.metrics_rank)
 
     def send_buffers(self, step: int) -> None:
