@@ -88,18 +88,8 @@ class LossScale:
 class Backprop:
     """Forward and backward of one batch on one worker; see the module docstring."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        model: nn.Module,
-        loss_fn: Callable,
-        device: torch.device,
-        compute: Callable[[Callable[[], float]], float] | None = None,
-    ) -> None:
-        """``compute`` runs the forwards and backwards of :meth:`run` (the transport's ``compute``:
-        on a shared compute thread under ``psgrad simulate``); None runs them here."""
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss_fn: Callable, device: torch.device) -> None:
         self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
-        self.compute = compute
         self.scale = LossScale(cfg.amp == "fp16")
         self.pushing = True
 
@@ -116,11 +106,6 @@ class Backprop:
 
         ``after_first_forward`` runs once, between the first forward and its backward (workers
         finish their pulls and post the next ones there)."""
-        if self.compute is not None:
-            return self.compute(lambda: self._run(images, labels, after_first_forward))
-        return self._run(images, labels, after_first_forward)
-
-    def _run(self, images: torch.Tensor, labels: torch.Tensor, after_first_forward: Callable[[], None]) -> float:
         self.model.zero_grad(set_to_none=True)
         k = self.cfg.accumulate
         micro = list(zip(split_batch(images, k), split_batch(labels, k), strict=True))

@@ -90,8 +90,6 @@ def simulate(
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         raise
-    finally:
-        world.close()
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]

@@ -23,12 +23,6 @@ it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
    (``enter``/``leave``), and gives it up while it sleeps. Seventeen threads running torch's
    small operations at once fought over the GIL: 95,000 futex calls a step, 40 % of the CPU
    in the kernel, on a 16-worker simulation.
-8. Compute threads: a worker's forward and backward (``compute``) run on one of as many shared
-   threads as there are core tokens, not on the rank's own thread, which waits for it holding its
-   token. The same few threads then run every worker's model, with their caches and oneDNN's
-   per-thread scratch memory warm: sixteen compiled WRN-10-1 forwards and backwards took 89-91 ms
-   from sixteen threads in turn and 75 ms from one. Such compute must not wait for other ranks,
-   so a worker pulls its whole model before its forward here (``separate_processes``).
 """
 
 from __future__ import annotations
@@ -38,12 +32,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .transport import Handle, Idle, Patience, PeerFailure, T, Transport
+from .transport import Handle, Idle, Patience, PeerFailure, Transport
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
 _BLOCK = 0.5  # seconds a wait sleeps without news before it polls again (and checks for a stall)
@@ -71,9 +64,7 @@ class LocalWorld:
 
     def __init__(self, size: int, stall_timeout: float = 60.0, cores: int | None = None) -> None:
         self.size = size
-        tokens = cores or len(os.sched_getaffinity(0))
-        self.cores = threading.Semaphore(tokens)
-        self.lane = ThreadPoolExecutor(max_workers=tokens, thread_name_prefix="psgrad-compute")
+        self.cores = threading.Semaphore(cores or len(os.sched_getaffinity(0)))
         self.holds = [False] * size
         self.stall_timeout = stall_timeout
         self.lock = threading.Lock()
@@ -125,10 +116,6 @@ class LocalWorld:
             if self.failure is None:
                 self.failure = reason
             self.notify(range(self.size))
-
-    def close(self) -> None:
-        """The job is over: let the compute threads go."""
-        self.lane.shutdown(wait=False)
 
     def finished(self, rank: int) -> None:
         with self.lock:
@@ -244,10 +231,6 @@ class LocalTransport(Transport):
 
     def library(self) -> str:
         return "none (psgrad simulate: every rank in one process)"
-
-    def compute(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the world's compute threads (point 8 of the module docstring)."""
-        return self.world.lane.submit(fn).result()
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:

@@ -14,12 +14,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 from mpi4py import MPI
-
-T = TypeVar("T")
 
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
 _MIN_SLEEP = 50e-6
@@ -180,13 +177,7 @@ class Transport:
     """Point-to-point and collective non-blocking messaging on one communicator."""
 
     separate_processes = True
-    """Each rank is a process of its own (comm/local.py's ranks share one, and then a worker pulls
-    its whole model before the forward: its compute runs on a shared thread that must not wait)."""
-
-    def compute(self, fn: Callable[[], T]) -> T:
-        """Run ``fn``, a worker's forward and backward, and return its result: here, in this
-        rank's own thread (comm/local.py runs it on the process's compute threads)."""
-        return fn()
+    """Each rank is a process of its own (comm/local.py's ranks share one)."""
 
     def __init__(self, comm: MPI.Comm | None = None) -> None:
         self.comm = comm if comm is not None else MPI.COMM_WORLD

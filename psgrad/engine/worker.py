@@ -2,8 +2,7 @@
 
 Per step (docs/architecture.md has the picture):
 1. forward — a pre-hook on each module waits only for *its* parameters' replies from the last
-   step, so the pull of late layers overlaps the forward of early ones (under ``psgrad simulate``
-   every reply is awaited before the forward, which runs on a shared compute thread);
+   step, so the pull of late layers overlaps the forward of early ones;
 2. post the receives for this step's replies (into per-layer buffers kept across steps);
 3. backward — a post-accumulate-grad hook per parameter runs feedback -> codec -> wire and
    ``isend``s the bytes to the layer's server while autograd carries on with earlier layers;
@@ -66,7 +65,7 @@ class Worker:
         self.metrics_rank = ctx.layout.server_ranks[0]
         self.servers = ctx.layout.server_ranks
         self.params = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device, ctx.transport.compute)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device)
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
@@ -98,10 +97,7 @@ class Worker:
             self._hooks += self.backprop.on_layer_gradients(
                 self.params, self.gate, lambda layer: self.push(layer, self.backprop.gradient(self.params, layer))
             )
-        # in one process (psgrad simulate) the forward runs on a shared compute thread that must not
-        # wait: the whole model is pulled before it instead
-        self.pull_in_forward = ctx.transport.separate_processes
-        for prefix, module in self.model.named_modules() if self.pull_in_forward else ():
+        for prefix, module in self.model.named_modules():
             own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
             if own:
                 indices = sorted({self.layer_of[n].index for n in own})
@@ -322,8 +318,6 @@ class Worker:
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
         self.model.train()
-        if not self.pull_in_forward:
-            self.finish_pulls()
         t_fwd = start
 
         def after_first_forward() -> None:

@@ -67,7 +67,7 @@ class PeerRole(Role):
         self.bytes_comm = ctx.transport.dup()
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.compute)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = ctx.make_optimizer()
         self.doing = "starting"

@@ -63,7 +63,7 @@ class GossipRole(Role):
         # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.compute)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
         self.optimizer = ctx.make_optimizer()
         self.codec, self.exact = make_codec(self.cfg.codec), make_codec("none")
         self.feedback = ctx.make_feedback()
