@@ -89,31 +89,6 @@ def test_the_trajectory_does_not_depend_on_how_many_ranks_compute_at_once():
         assert torch.equal(value, many[1].params[name]), name
 
 
-@pytest.mark.parametrize("topology", ["ps", "alltoall", "ring"])
-def test_workers_compute_on_the_shared_compute_threads(topology):
-    """Every forward runs on one of the world's compute threads (as many as core tokens), never on
-    a rank's own thread: the same threads keep their caches warm for every worker's model."""
-    from psgrad.models import build_model
-
-    seen: set[str] = set()
-
-    def model_fn():
-        model = build_model("convnet", 10)
-
-        def note(module, inputs):
-            if module.training:  # evaluation runs elsewhere
-                seen.add(threading.current_thread().name)
-
-        model.register_forward_pre_hook(note)
-        return model
-
-    cfg = RunConfig(model="convnet", batch_size=8, steps=2, topology=topology, progress=False, timeout=60, eval_every=0)
-    test = [(torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long))]
-    simulate(cfg, 4, model_fn=model_fn, eval_data=test, cores=2)
-    assert seen and all(name.startswith("psgrad-compute") for name in seen), seen
-    assert len(seen) <= 2
-
-
 @pytest.mark.parametrize("topology", ["ps", "alltoall"])
 def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, topology):
     """Checkpoints are written by every simulated rank; resuming from the middle gives the same model."""
