@@ -243,6 +243,31 @@ HOT static void qsgd_encode_run(const float *x, Py_ssize_t n, const float *inv, 
     }
 }
 
+/* ---------------------------------------------------------------- TernGrad */
+
+/* TernGrad's codes, as terngrad.py's numpy path: u = _cpu.Uniforms' draw of element i, kept when
+   u * s < |x| + s (so with probability |x| / s), plane 0 = kept and x >= 0, plane 1 = kept and
+   x < 0. */
+HOT static void terngrad_encode_run(const float *x, Py_ssize_t n, float scale, uint32_t key, uint8_t *codes) {
+    uint8_t positive[BLOCK], negative[BLOCK];
+    Py_ssize_t plane = (n + 7) / 8;
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        Py_ssize_t count = n - start < BLOCK ? n - start : BLOCK;
+        uint32_t counter = (uint32_t)start * 0x9E3779B9u + key;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            float value = x[start + i];
+            uint32_t word = (fmix32(counter + (uint32_t)i * 0x9E3779B9u) & 0x007FFFFFu) | 0x3F800000u;
+            float u;
+            memcpy(&u, &word, 4);
+            uint8_t kept = u * scale < fabsf(value) + scale, below = value < 0.0f;
+            positive[i] = kept & !below;
+            negative[i] = kept & below;
+        }
+        pack_ones(positive, count, 0, codes + start / 8);
+        pack_ones(negative, count, 0, codes + plane + start / 8);
+    }
+}
+
 /* The level of each of 8 elements (byte t of the result) from `width` planes of packed bits. */
 static inline uint64_t levels8(const uint8_t *levels, Py_ssize_t plane, Py_ssize_t byte, int width) {
     uint64_t codes = 0;
@@ -389,6 +414,20 @@ static PyObject *qsgd_encode(PyObject *self, PyObject *args) {
     return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
 }
 
+static PyObject *terngrad_encode(PyObject *self, PyObject *args) {
+    Py_buffer x, codes;
+    float scale;
+    unsigned int key;
+    if (!PyArg_ParseTuple(args, "y*fIw*", &x, &scale, &key, &codes)) return NULL;
+    Py_ssize_t n = x.len / 4;
+    if (fits(&codes, 2 * ((n + 7) / 8), 1, "codes")) {
+        Py_BEGIN_ALLOW_THREADS terngrad_encode_run(x.buf, n, scale, (uint32_t)key, codes.buf);
+        Py_END_ALLOW_THREADS
+    }
+    RELEASE(&x, &codes);
+    return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+}
+
 static PyObject *qsgd_decode_add(PyObject *self, PyObject *args) {
     Py_buffer levels, signs, factors, out;
     Py_ssize_t bucket;
@@ -413,6 +452,7 @@ static PyMethodDef METHODS[] = {
     {"add_signs_per_bucket", add_signs_per_bucket, METH_VARARGS, "add_signs_per_bucket(packed, factors, bucket, out)"},
     {"entries_at_least", entries_at_least, METH_VARARGS, "entries_at_least(x, threshold, indices, values) -> count"},
     {"qsgd_encode", qsgd_encode, METH_VARARGS, "qsgd_encode(x, inv, bucket, levels, width, key, planes, signs)"},
+    {"terngrad_encode", terngrad_encode, METH_VARARGS, "terngrad_encode(x, scale, key, codes)"},
     {"qsgd_decode_add", qsgd_decode_add, METH_VARARGS, "qsgd_decode_add(planes, signs, factors, bucket, width, out)"},
     {NULL, NULL, 0, NULL},
 };
