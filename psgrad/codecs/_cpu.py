@@ -234,7 +234,7 @@ class Uniforms:
 
     @staticmethod
     def key(seed: int) -> int:
-        """Step 1: the 32-bit key of ``seed`` (the compiled QSGD kernel draws from it too)."""
+        """Step 1: the 32-bit key of ``seed`` (the compiled QSGD and TernGrad kernels draw from it too)."""
         return int(np.random.SeedSequence(int(seed) & 0xFFFF_FFFF_FFFF_FFFF).generate_state(1, np.uint32)[0])
 
     def at(self, start: int, count: int) -> np.ndarray:
