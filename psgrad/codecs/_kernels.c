@@ -297,15 +297,19 @@ HOT static void qsgd_decode_add_run(const uint8_t *levels, const uint8_t *signs,
         }
     }
 #endif
-    for (Py_ssize_t i = 8 * k; i < n; i++) {
-        Py_ssize_t byte = i / 8;
-        int t = (int)(i % 8);
-        float value = (float)(uint32_t)((levels8(levels, plane, byte, width) >> (8 * t)) & 0xFF);
-        uint32_t word;
-        memcpy(&word, &value, 4);
-        word ^= (uint32_t)((SPREAD[signs[byte]] >> (8 * t)) & 1) << 31;
-        memcpy(&value, &word, 4);
-        out[i] += value * factors[i / bucket];
+    Py_ssize_t b = 8 * k / bucket, boundary = (b + 1) * bucket; /* the bucket of element i, kept as i grows */
+    for (; k < plane; k++) { /* any bucket, and the last partial byte */
+        uint64_t codes = levels8(levels, plane, k, width), negative = SPREAD[signs[k]];
+        for (int t = 0; t < 8 && 8 * k + t < n; t++) {
+            Py_ssize_t i = 8 * k + t;
+            if (i == boundary) b++, boundary += bucket;
+            float value = (float)(uint32_t)((codes >> (8 * t)) & 0xFF);
+            uint32_t word;
+            memcpy(&word, &value, 4);
+            word ^= (uint32_t)((negative >> (8 * t)) & 1) << 31;
+            memcpy(&value, &word, 4);
+            out[i] += value * factors[b];
+        }
     }
 }
 
