@@ -2,23 +2,26 @@
  *
  * Each function is one pass over a layer: it reads the gradient once, in blocks that stay in
  * L1/L2, and writes the packed message (or adds a message into an accumulator) in the same
- * pass. They reproduce the numpy kernels of _cpu.py and qsgd.py bit for bit (the bits, codes,
- * indices and every value that numpy computes element by element); sums of many elements (the
- * L1 norm, bucket means) are rounded in another order. tests/test_kernels.py holds both paths
+ * pass. They reproduce the numpy kernels of _cpu.py, qsgd.py and terngrad.py bit for bit (the
+ * bits, codes, indices and every value that numpy computes element by element); sums of many
+ * elements (the L1 norm, bucket means) are rounded in another order. tests/test_kernels.py holds both paths
  * to that. Built at install by setup.py (optional: without a compiler psgrad keeps numpy).
  *
  * Layout shared with numpy: bits are packed 8 to a byte, most significant first (np.packbits);
  * a code of `width` bits travels as `width` planes of such bytes, plane j holding bit j.
  *
- * Arguments are Python buffers (numpy arrays, contiguous); the Python side (_native.py) checks
- * dtypes and sizes before calling, and these functions check byte lengths again. The GIL is
- * released inside: psgrad simulate runs ranks as threads.
+ * Arguments are Python buffers (numpy arrays, contiguous); the Python side (_cpu.native and its
+ * callers) checks dtypes and contiguity before calling, and these functions check byte lengths
+ * again. The GIL is released inside: psgrad simulate runs ranks as threads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the 8-bytes-at-a-time packing assumes a little-endian CPU; psgrad keeps its numpy kernels"
+#endif
 #ifdef __SSE2__
 #include <emmintrin.h> /* every x86-64 has SSE2; elsewhere the plain C loops below run */
 #endif
