@@ -3,7 +3,8 @@
 ``LocalTransport`` has the interface of ``transport.Transport``, so every role runs unchanged on
 it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
 1. A send is buffered at once (it completes immediately); it fills the first receive the
-   destination posted for that source and tag on that communicator, or waits in the queue of
+   destination posted for that source and tag on that communicator (which then reads the
+   sender's immutable bytes in place: no copy), or waits in the queue of
    unexpected messages for that (communicator, destination, source, tag), in arrival order. So
    messages between two ranks never overtake each other, as in MPI, and the bytes received are
    the bytes sent. (psgrad never receives from any source or with any tag, so matching is a
@@ -144,7 +145,8 @@ class LocalHandle(Handle):
 
     world: LocalWorld | None = None
     rank: int = 0
-    arrived: int = -1  # a receive: the bytes delivered into ``buffer`` (set by the sender's thread)
+    arrived: int = -1  # a receive: how many bytes were delivered (set by the sender's thread)
+    delivered: bytes | None = None  # a receive: the sender's bytes themselves (immutable: no copy)
     collective: tuple | None = None
     on_done: Callable[[dict], None] | None = None
     key_comm: tuple = ()  # a receive: the communicator it was posted on
@@ -196,6 +198,13 @@ class LocalHandle(Handle):
                 if self in queue:
                     queue.remove(self)
         self.finished = self.finished or time.perf_counter()
+
+    def payload(self) -> memoryview:
+        """The received bytes: a view of the bytes the sender handed over (``buffer``, the receive's
+        capacity, is left untouched, as MPI would fill it)."""
+        if self.delivered is not None:
+            return memoryview(self.delivered)[: self.count]
+        return super().payload()
 
     def _complete(self) -> None:
         self.finished = time.perf_counter()
@@ -364,5 +373,7 @@ def _deliver(receive: LocalHandle, payload: bytes) -> None:
             f"a {len(payload)}-byte message for rank {receive.rank} (tag {receive.tag}) does not fit the "
             f"{len(receive.buffer)}-byte receive it matched"
         )
-    receive.buffer[: len(payload)] = payload
+    # a send's bytes never change (isend makes them bytes), so the receiver reads them in place: no
+    # copy, where a 16-worker simulation copied every model and gradient once more per message
+    receive.delivered = payload
     receive.arrived = len(payload)
