@@ -4,8 +4,9 @@
  * L1/L2, and writes the packed message (or adds a message into an accumulator) in the same
  * pass. They reproduce the numpy kernels of _cpu.py, qsgd.py and terngrad.py bit for bit (the
  * bits, codes, indices and every value that numpy computes element by element); sums of many
- * elements (the L1 norm, bucket means) are rounded in another order. tests/test_kernels.py holds both paths
- * to that. Built at install by setup.py (optional: without a compiler psgrad keeps numpy).
+ * elements (the L1 norm, bucket means) are rounded in another order. tests/test_kernels.py
+ * holds both paths to that. Built at install by setup.py (optional: without a compiler psgrad
+ * keeps numpy).
  *
  * Layout shared with numpy: bits are packed 8 to a byte, most significant first (np.packbits);
  * a code of `width` bits travels as `width` planes of such bytes, plane j holding bit j.
@@ -300,7 +301,8 @@ HOT static void qsgd_decode_add_run(const uint8_t *levels, const uint8_t *signs,
         }
     }
 #endif
-    Py_ssize_t b = 8 * k / bucket, boundary = (b + 1) * bucket; /* the bucket of element i, kept as i grows */
+    /* the bucket of element i, followed as i grows (no division per element) */
+    Py_ssize_t b = 8 * k / bucket, boundary = (b + 1) * bucket;
     for (; k < plane; k++) { /* any bucket, and the last partial byte */
         uint64_t codes = levels8(levels, plane, k, width), negative = SPREAD[signs[k]];
         for (int t = 0; t < 8 && 8 * k + t < n; t++) {
