@@ -24,4 +24,4 @@ EXTRAS="plot"
 echo "[setup] installing psgrad[$EXTRAS]"
 "${PIP[@]}" -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -c "import psgrad, mpi4py.MPI" || { echo "[setup] psgrad or mpi4py failed to import"; exit 1; }
-echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, mpi4py.MPI as M; from psgrad.codecs import _cpu; print("torch", torch.__version__, "|", M.Get_library_version().splitlines()[0], "|", _cpu.kernels_name(), "codec kernels")'))"
+echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, mpi4py.MPI as M; from psgrad.codecs import kernels_name; print("torch", torch.__version__, "|", M.Get_library_version().splitlines()[0], "|", kernels_name(), "codec kernels")'))"

@@ -11,7 +11,7 @@ import torch
 
 from .allocator import keep_freed_memory
 from .bench import codecbench
-from .codecs import available_codecs, make_codec
+from .codecs import available_codecs, kernels_name, make_codec
 from .models import MODELS, build_model
 from .options import SectionedCommand, config_from, config_option, run_options, with_config
 
@@ -148,7 +148,7 @@ def codecs(
         Path(json_path).write_text(text + "\n")
     click.echo(
         f"median of {repeat}, {threads} thread(s), caches cold before every call, "
-        f"{codecbench.machine()['kernels']} kernels (PSGRAD_KERNELS, docs/codecs.md)"
+        f"{kernels_name()} kernels (PSGRAD_KERNELS, docs/codecs.md)"
     )
     click.echo(codecbench.table(rows))
     click.echo(f"available codecs: {', '.join(available_codecs())}")

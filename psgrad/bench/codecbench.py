@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..codecs import _cpu, make_codec
+from ..codecs import kernels_name, make_codec
 from ..comm import wire
 
 DEFAULT_SPECS = (
@@ -181,7 +181,7 @@ def machine() -> dict[str, str | int]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "kernels": _cpu.kernels_name(),
+        "kernels": kernels_name(),
     }
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import dense, powersgd, qsgd, randomk, sign, svd, terngrad, threshold, topk  # noqa: F401  (register)
+from ._cpu import kernels_name
 from .base import _REGISTRY, Codec, Message, register
 
-__all__ = ["Codec", "Message", "available_codecs", "make_codec", "parse_spec", "register"]
+__all__ = ["Codec", "Message", "available_codecs", "kernels_name", "make_codec", "parse_spec", "register"]
 
 
 def available_codecs() -> list[str]:

@@ -60,9 +60,11 @@ def kernels_name() -> str:
 
 
 def native(*arrays: np.ndarray) -> bool:
-    """Whether the compiled kernels can take these arrays: they run, and every array is
-    C-contiguous (the kernels read raw memory)."""
-    return compiled is not None and all(a.flags.c_contiguous for a in arrays)
+    """Whether the compiled kernels can take these arrays: they run, every array is C-contiguous
+    (the kernels read raw memory) and every floating-point one is float32 (the C type they read)."""
+    return compiled is not None and all(
+        a.flags.c_contiguous and (a.dtype.kind != "f" or a.dtype == np.float32) for a in arrays
+    )
 
 
 def quiet(fn: _F) -> _F:
@@ -107,7 +109,7 @@ def negative_bits(x: np.ndarray, with_l1: bool = False) -> tuple[np.ndarray, flo
     with ``with_l1`` also the sum of ``|x|`` (float64 across blocks), in the same pass."""
     n = x.size
     packed = np.empty((n + 7) // 8, dtype=np.uint8)
-    if native(x) and x.dtype == np.float32:
+    if native(x):
         l1 = compiled.negative_bits(x, packed)
         return packed, l1 if with_l1 else 0.0
     negative = block_buffer(n, np.bool_)
@@ -129,7 +131,7 @@ def add_bits(packed: np.ndarray, out: np.ndarray, if_set: float, if_clear: float
     TernGrad plane: +-s / 0). In numpy a 256 x 8 table turns each packed byte into its 8 values
     at once, one block at a time (no full-size temporary)."""
     n = out.size
-    if native(packed, out) and out.dtype == np.float32:
+    if native(packed, out):
         compiled.add_bits(packed, if_set, if_clear, out)
         return
     rows = np.where(BIT_ROWS > 0, np.float32(if_set), np.float32(if_clear))  # 2,048 values, not n
@@ -150,7 +152,7 @@ def negative_bits_and_means(x: np.ndarray, bucket: int) -> tuple[np.ndarray, np.
     may be short) from the same block while it is in cache: a BLAS product with a 1/bucket column."""
     n, multiple = x.size, math.lcm(bucket, 8)
     packed, means = np.empty((n + 7) // 8, dtype=np.uint8), np.empty(-(-n // bucket), dtype=np.float32)
-    if native(x) and x.dtype == np.float32:
+    if native(x):
         compiled.negative_bits_means(x, bucket, packed, means)
         return packed, means
     negative, magnitude = block_buffer(n, np.bool_, multiple), block_buffer(n, np.float32, multiple)
@@ -172,7 +174,7 @@ def add_signs_per_bucket(packed: np.ndarray, out: np.ndarray, factors: np.ndarra
     """``out[i] += factors[i // bucket] * (-1 if bit i is set else +1)``, block by block through the
     256 x 8 sign table (as :func:`add_bits`), each block's signs scaled by its buckets' factors."""
     n, multiple = out.size, math.lcm(bucket, 8)
-    if native(packed, out, factors) and out.dtype == factors.dtype == np.float32:
+    if native(packed, out, factors):
         compiled.add_signs_per_bucket(packed, factors, bucket, out)
         return
     values = np.empty((min(n, _block_size(multiple)) + 7) // 8 * 8, dtype=np.float32)
@@ -190,7 +192,7 @@ def entries_at_least(x: np.ndarray, threshold: float) -> tuple[np.ndarray, np.nd
     """The sorted int64 indices of the entries with ``|x| >= threshold``, and their values
     (gathered from each block while it is still in cache)."""
     n = x.size
-    if native(x) and x.dtype == np.float32:
+    if native(x):
         # capacity for every entry; pages that no entry reaches are never touched
         indices, values = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.float32)
         found = compiled.entries_at_least(x, threshold, indices, values)

@@ -68,7 +68,7 @@ class QSGDCodec(Codec):
         n, bucket, s, width = x.size, int(self.params["bucket"]), int(self.params["levels"]), self.width
         plane = _bits.packed_nbytes(n, 1)
         levels, signs = np.empty(width * plane, dtype=np.uint8), np.empty(plane, dtype=np.uint8)
-        if _cpu.native(x, inv) and x.dtype == inv.dtype == np.float32:  # the same steps, one fused pass
+        if _cpu.native(x, inv):  # the same steps, one fused pass
             _cpu.compiled.qsgd_encode(x, inv, bucket, s, width, _cpu.Uniforms.key(seed), levels, signs)
             return {"norms": norms, "levels": torch.from_numpy(levels), "signs": torch.from_numpy(signs)}
         multiple = math.lcm(bucket, 8)
@@ -111,7 +111,7 @@ class QSGDCodec(Codec):
         levels, signs = _cpu.host(msg.arrays["levels"]), _cpu.host(msg.arrays["signs"])
         factors = _cpu.host(msg.arrays["norms"]) * np.float32(alpha / int(self.params["levels"]))
         target = _cpu.host(out.view(-1))
-        if _cpu.native(levels, signs, factors, target) and factors.dtype == np.float32:
+        if _cpu.native(levels, signs, factors, target):
             _cpu.compiled.qsgd_decode_add(levels, signs, factors, bucket, width, target)
             return
         multiple = math.lcm(bucket, 8)

@@ -66,7 +66,7 @@ class TernGradCodec(Codec):
             scale = min(peak, bound)
         plane = _bits.packed_nbytes(n, 1)
         codes = np.empty(2 * plane, dtype=np.uint8)
-        if _cpu.native(x) and x.dtype == np.float32:  # the second pass, fused
+        if _cpu.native(x):  # the second pass, fused
             _cpu.compiled.terngrad_encode(x, scale, _cpu.Uniforms.key(seed), codes)
             return {"scale": torch.tensor([scale], dtype=torch.float32), "codes": torch.from_numpy(codes)}
         magnitude, keep = _cpu.block_buffer(n, np.float32), _cpu.block_buffer(n, np.bool_)
