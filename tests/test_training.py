@@ -111,6 +111,20 @@ def test_augmentation_is_deterministic_and_does_something():
     assert all(s or m for s, m in zip(same, mirrored, strict=True)) and any(same) and any(mirrored)
 
 
+def test_augmentation_crops_the_padded_image_at_the_drawn_offsets():
+    """Image i is the 32x32 window at (dy_i, dx_i) of its 4-pixel zero-padded self, mirrored when
+    its flip bit is set; dy, dx and the flip bits are drawn in that order (runs stay reproducible)."""
+    images = torch.randn(6, 3, 32, 32)
+    out = augment(images, torch.Generator().manual_seed(7))
+    draws = torch.Generator().manual_seed(7)
+    dy, dx = torch.randint(0, 9, (6,), generator=draws), torch.randint(0, 9, (6,), generator=draws)
+    flip = torch.rand(6, generator=draws) < 0.5
+    padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
+    for i in range(6):
+        window = padded[i, :, dy[i] : dy[i] + 32, dx[i] : dx[i] + 32]
+        assert torch.equal(out[i], window.flip(-1) if flip[i] else window), i
+
+
 def test_shards_are_disjoint_and_reshuffled():
     data = load_dataset("synthetic", "train", synthetic_size=256)
     loaders = [ShardLoader(data, "synthetic", w, 2, 8, 0) for w in range(2)]
