@@ -10,6 +10,7 @@ see the same unscaled gradient.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -85,13 +86,25 @@ class LossScale:
         self.value, self.good = float(state["value"]), int(state["good"])
 
 
+def _nothing() -> None:
+    pass
+
+
 class Backprop:
     """Forward and backward of one batch on one worker; see the module docstring."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, loss_fn: Callable, device: torch.device) -> None:
+    def __init__(
+        self, cfg: RunConfig, model: nn.Module, loss_fn: Callable, device: torch.device, stacked: object = None
+    ) -> None:
+        """``stacked``: the rank's ``StackedMember`` when ``psgrad simulate`` computes its workers as
+        one model (``transport.stacked_member()``); it is used without micro-batches and --amp."""
         self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
         self.scale = LossScale(cfg.amp == "fp16")
         self.pushing = True
+        self.stacked = stacked if cfg.accumulate == 1 and cfg.amp == "off" else None
+        self.waited = 0.0  # seconds the last run slept while the other workers computed (stacked)
+        if self.stacked is not None:
+            self.stacked.join(model, loss_fn)
 
     @property
     def hooks_may_send(self) -> bool:
@@ -99,14 +112,32 @@ class Backprop:
         the norm of the whole gradient first."""
         return self.cfg.clip_grad_norm == 0
 
-    def run(self, images: torch.Tensor, labels: torch.Tensor, after_first_forward: Callable[[], None]) -> float:
+    def run(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        after_first_forward: Callable[[], None],
+        idle: Callable[[], bool] | None = None,
+    ) -> float:
         """Zero the gradients, then for each of ``--accumulate`` micro-batches: forward (under
         autocast with ``--amp``), loss x its share of the batch x the loss scale, backward. Hooks
         may send only during the last backward (``pushing``). Returns the batch's mean loss.
 
         ``after_first_forward`` runs once, between the first forward and its backward (workers
-        finish their pulls and post the next ones there)."""
+        finish their pulls and post the next ones there). With a stacked compute it runs first,
+        then the stacked pass sets the gradients (no hook fires: the roles send every layer after
+        backward); ``idle`` runs while this rank waits for the others to hand in their batches.
+        The time it slept beyond its share of the pass is ``waited`` (a wait, not compute)."""
         self.model.zero_grad(set_to_none=True)
+        self.waited = 0.0
+        if self.stacked is not None:
+            after_first_forward()
+            start = time.perf_counter()
+            loss = self.stacked.run(to_device(images, self.device), to_device(labels, self.device), idle)
+            if loss is not None:
+                self.waited = max(0.0, time.perf_counter() - start - self.stacked.share)
+                return loss
+            after_first_forward = _nothing
         k = self.cfg.accumulate
         micro = list(zip(split_batch(images, k), split_batch(labels, k), strict=True))
         amp = AMP_DTYPES.get(self.cfg.amp)

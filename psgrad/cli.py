@@ -238,9 +238,16 @@ def worker(**options) -> None:
     default=None,
     help="Ranks that compute at the same time (each with --threads torch threads) [default: the cores this process may use].",
 )
+@click.option(
+    "--stack/--no-stack",
+    default=True,
+    help="Compute every worker's forward and backward in one pass of one stacked model (grouped "
+    "convolutions, batched matrix products), not one small pass per worker: the same gradients, "
+    "rounded differently. Models with layers it cannot stack fall back to one pass per worker, with a note.",
+)
 @run_options
 @config_option
-def simulate(workers: int, cores: int | None, **options) -> None:
+def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
     from .simulate import simulate as run_simulation
     from .simulate import world_size
@@ -255,7 +262,7 @@ def simulate(workers: int, cores: int | None, **options) -> None:
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     try:
-        run_simulation(cfg, workers, cores=cores)
+        run_simulation(cfg, workers, cores=cores, stack=stack)
     except Exception:  # the failing rank printed its error and traceback (train.run)
         sys.exit(1)
 

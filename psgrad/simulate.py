@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterable
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.local import LocalTransport, LocalWorld
+from .comm.local import LocalTransport, LocalWorld, Meeting
 from .comm.protocol import RankLayout, grid_places
 from .config import RunConfig
 from .context import LossFn
 from .optim import OptimizerFn
+from .stacked import StackedWorkers
 from .train import RunResult, run
 
 DEFAULT_STALL = 60.0
@@ -55,13 +56,17 @@ def simulate(
     loss_fn: LossFn = F.cross_entropy,
     optimizer_fn: OptimizerFn | None = None,
     cores: int | None = None,
+    stack: bool = True,
 ) -> list[RunResult]:
     """Run ``cfg`` with ``workers`` workers in this process; every rank's result, by rank.
 
     The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
-    at a time (default: the cores this process may use). Raises the first error any rank hit."""
+    at a time (default: the cores this process may use); ``stack`` computes the workers' forwards
+    and backwards as one stacked model (``psgrad.stacked``). Raises the first error any rank hit."""
     size = world_size(cfg, workers)
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
+    if stack:
+        world.stacked = StackedWorkers(Meeting(world, workers))
     results: list[RunResult | None] = [None] * size
     errors: list[BaseException] = []
 
@@ -83,9 +88,12 @@ def simulate(
     try:
         for thread in threads:
             while thread.is_alive():
-                thread.join(0.2)  # in slices: Ctrl-C reaches this thread between them
+                # in slices: Ctrl-C reaches this thread between them
+                thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
     except KeyboardInterrupt:
         world.fail("interrupted")
+        if world.stacked is not None:
+            world.stacked.close("interrupted")
         deadline = time.monotonic() + 10.0
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -7,12 +7,14 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
    after each row's, and the fastest run is the baseline: with glibc's default malloc the same
    loop varied from 6 to 9 it/s between runs minutes apart on this VM (its batch of 128 faulted
    in fresh pages each step); with freed memory kept (psgrad/allocator.py) it stays within 7 %.
-2. Simulated: ``simulate`` with N workers of batch B, for each row (a codec spec, optionally
+2. Simulated: ``simulate`` with N workers of batch B (stacked into one model unless
+   ``--no-stack``), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
    (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
    median step rate after the first five steps.
 3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
-   is CPU time: compute = N x (forward + backward); coding = N x (encode + decode) + the server's
+   is CPU time: compute = N x (forward + backward) (stacked: the pass, each worker counted with
+   its share and its wait for the others counted as a wait); coding = N x (encode + decode) + the server's
    decode (and summing); optimizer = the server's apply + N x the workers' apply; the rest of the
    step is bookkeeping (messaging, hooks, handing the core from rank to rank).
 The dataset is the synthetic default, so the accuracies it prints are the synthetic set's.
@@ -59,9 +61,9 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
     return 1.0 / statistics.median(times[WARMUP:])
 
 
-def simulated(cfg: RunConfig, workers: int, cores: int) -> dict:
+def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool = True) -> dict:
     """Rate, phase breakdown (ms per step) and final loss of one simulation."""
-    result = simulate(cfg, workers, cores=cores)[0]
+    result = simulate(cfg, workers, cores=cores, stack=stack)[0]
     rows = result.rows[WARMUP:]
     rate = 1.0 / statistics.median(1.0 / row["it_per_s"] for row in rows)
 
@@ -87,7 +89,9 @@ def simulated(cfg: RunConfig, workers: int, cores: int) -> dict:
     }
 
 
-def report(workers: int, batch: int, rows: dict[str, RunConfig], steps: int, base: RunConfig) -> str:
+def report(
+    workers: int, batch: int, rows: dict[str, RunConfig], steps: int, base: RunConfig, stack: bool = True
+) -> str:
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
@@ -99,13 +103,14 @@ def report(workers: int, batch: int, rows: dict[str, RunConfig], steps: int, bas
     measure_alone()
     results = {}
     for item, cfg in rows.items():
-        results[item] = simulated(cfg, workers, 1), simulated(cfg, workers, cores)
+        results[item] = simulated(cfg, workers, 1, stack), simulated(cfg, workers, cores, stack)
         measure_alone()
     torch.set_num_threads(1)
     one, every = max(alone_rates[1]), max(alone_rates[cores])
     lines = [
         f"{cpu_name()}, {cores} cores, torch {torch.__version__}; {base.model} (depth {base.depth}, "
-        f"width {base.widen_factor}), synthetic data, {steps} steps",
+        f"width {base.widen_factor}), synthetic data, {steps} steps, "
+        f"{'workers stacked into one model' if stack else 'one pass per worker (--no-stack)'}",
         "",
         f"Alone, batch {workers * batch}, the fastest of {len(alone_rates[1])} runs (one before the simulations, "
         f"one after each row's): {one:.2f} it/s with 1 thread "
@@ -145,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
+    parser.add_argument(
+        "--no-stack",
+        dest="stack",
+        action="store_false",
+        help="Simulate with psgrad simulate --no-stack: one forward and backward per worker, not one stacked pass.",
+    )
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
         parser.error(str(err))
-    print(report(args.workers, args.batch_size, rows, args.steps, base))
+    print(report(args.workers, args.batch_size, rows, args.steps, base, args.stack))
 
 
 if __name__ == "__main__":

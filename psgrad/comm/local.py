@@ -65,7 +65,8 @@ class LocalWorld:
 
     def __init__(self, size: int, stall_timeout: float = 60.0, cores: int | None = None) -> None:
         self.size = size
-        self.cores = threading.Semaphore(cores or len(os.sched_getaffinity(0)))
+        self.core_count = cores or len(os.sched_getaffinity(0))
+        self.cores = threading.Semaphore(self.core_count)
         self.holds = [False] * size
         self.stall_timeout = stall_timeout
         self.lock = threading.Lock()
@@ -78,6 +79,7 @@ class LocalWorld:
         self.polled = [0.0] * size
         self.running = set(range(size))
         self.news = [threading.Condition(self.lock) for _ in range(size)]
+        self.stacked = None  # psgrad.stacked.StackedWorkers, when simulate computes the workers as one
         self.epoch = [0] * size  # per rank: how many times news came for it
 
     def notify(self, ranks: range | list[int]) -> None:
@@ -110,6 +112,18 @@ class LocalWorld:
         """Rank ``rank`` stops running (it waits or ended): its core token goes to another rank."""
         self.holds[rank] = False
         self.cores.release()
+
+    def borrow_cores(self) -> int:
+        """Take every core token no rank holds now, without waiting (a rank that runs a pass for
+        others uses their cores); how many it took. Give them back with ``return_cores``."""
+        taken = 0
+        while taken < self.core_count - 1 and self.cores.acquire(blocking=False):
+            taken += 1
+        return taken
+
+    def return_cores(self, taken: int) -> None:
+        for _ in range(taken):
+            self.cores.release()
 
     def fail(self, reason: str) -> None:
         """The job failed (``reason``, e.g. "rank 2 failed: ..."): every rank stops at its next poll."""
@@ -212,6 +226,47 @@ class LocalHandle(Handle):
             self.transport.bytes_received += self.count
 
 
+class Meeting:
+    """Some ranks of a world meet, once a round: each brings a part, the last to come runs ``act``
+    on every part (by rank) while the others sleep, and each gets its result.
+
+    1. ``meet`` adds the caller's part; the ``members``-th part closes the round.
+    2. The closing rank runs ``act`` on its core token and publishes the result; the round is
+       news for every rank of the world.
+    3. The others wait as a receive does: asleep without their core token, running ``idle``
+       between polls (a colocated rank keeps serving), stopped by a failed or stalled job.
+    """
+
+    def __init__(self, world: LocalWorld, members: int) -> None:
+        self.world, self.members = world, members
+        self.parts: dict[int, object] = {}
+        self.round = 0
+        self.result: object = None
+
+    def meet(self, rank: int, part: object, act: Callable[[dict], object], idle: Idle | None = None) -> object:
+        world = self.world
+        with world.lock:
+            round_ = self.round
+            self.parts[rank] = part
+            last = len(self.parts) == self.members
+        if last:
+            result = act(dict(sorted(self.parts.items())))
+            with world.lock:
+                self.result, self.parts = result, {}
+                self.round += 1
+                world.notify(range(world.size))
+            return result
+        while True:
+            epoch = world.epoch[rank]
+            with world.lock:
+                if self.round != round_:
+                    return self.result
+            world.check(rank)
+            if idle is not None and idle():
+                continue
+            world.sleep(rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
+
+
 class LocalTransport(Transport):
     """Rank ``rank`` of ``world``, with the interface of the MPI ``Transport``."""
 
@@ -240,6 +295,11 @@ class LocalTransport(Transport):
 
     def library(self) -> str:
         return "none (psgrad simulate: every rank in one process)"
+
+    def stacked_member(self):
+        """This rank's part in the simulation's stacked compute (``psgrad.stacked``), if it has one."""
+        stacked = self.world.stacked
+        return None if stacked is None else stacked.member(self.rank)
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:

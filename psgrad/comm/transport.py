@@ -189,6 +189,10 @@ class Transport:
         # per thread: a colocated rank's serving thread polls beside its worker (--serve-thread)
         self._scratch = threading.local()
 
+    def stacked_member(self) -> None:
+        """No stacked compute across processes (only ``psgrad simulate`` has one: comm/local.py)."""
+        return None
+
     def dup(self) -> Transport:
         """A transport on a duplicate of this communicator (its own matching space for collectives)."""
         return Transport(self.comm.Dup())

@@ -65,7 +65,7 @@ class Worker:
         self.metrics_rank = ctx.layout.server_ranks[0]
         self.servers = ctx.layout.server_ranks
         self.params = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device, ctx.transport.stacked_member())
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
@@ -327,7 +327,7 @@ class Worker:
             self.post_pulls(step + 1)
             self.doing = f"step {step}: backward"
 
-        loss = self.backprop.run(images, labels, after_first_forward)
+        loss = self.backprop.run(images, labels, after_first_forward, self._idle())
         self.backprop.finish(self.params)
         self.push_missing()
         self.backprop.end_step(self.stats.nonfinite > 0)
@@ -349,8 +349,9 @@ class Worker:
         s.loss = loss
         s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
         # coding and serving are counted inside the phases they interrupted: take them out
-        s.backward = max(0.0, (t_bwd - t_fwd) - encode_in_backward - serve_in_backward)
-        s.push_wait = max(0.0, (end - t_bwd) - (s.encode - encode_in_backward) - (s.serve - serve_in_backward))
+        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for a push
+        s.backward = max(0.0, (t_bwd - t_fwd) - encode_in_backward - serve_in_backward - waited)
+        s.push_wait = waited + max(0.0, (end - t_bwd) - (s.encode - encode_in_backward) - (s.serve - serve_in_backward))
         s.step_time = end - start
         return s
 

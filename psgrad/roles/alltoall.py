@@ -67,7 +67,7 @@ class PeerRole(Role):
         self.bytes_comm = ctx.transport.dup()
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.stacked_member())
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = ctx.make_optimizer()
         self.doing = "starting"
@@ -220,8 +220,9 @@ class PeerRole(Role):
         end = time.perf_counter()
         s = self.stats
         s.loss = loss
-        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode
-        s.push_wait, s.apply, s.step_time = t_wait - t_bwd - s.decode, end - t_wait, end - start
+        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for the exchange
+        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode - waited
+        s.push_wait, s.apply, s.step_time = waited + t_wait - t_bwd - s.decode, end - t_wait, end - start
         return s
 
     # ------------------------------------------------------------------ the Role interface

@@ -63,7 +63,7 @@ class GossipRole(Role):
         # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device)
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.stacked_member())
         self.optimizer = ctx.make_optimizer()
         self.codec, self.exact = make_codec(self.cfg.codec), make_codec("none")
         self.feedback = ctx.make_feedback()
@@ -140,8 +140,9 @@ class GossipRole(Role):
                     copy_flat_into(self.params_by_name, layer.params, x)
         self.world.wait_all(self.sends)
         end = time.perf_counter()
-        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - in_hooks
-        s.push_wait = (t_recv - t_sent) - s.decode
+        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for the exchange
+        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - in_hooks - waited
+        s.push_wait = waited + (t_recv - t_sent) - s.decode
         s.apply += end - t_recv
         s.step_time = end - start
         return s

@@ -1,0 +1,290 @@
+"""N models of one architecture computed as one: the simulated workers' forward and backward in
+a single pass of grouped operations, instead of N passes of small ones.
+
+A simulation of 16 workers on batches of 8 otherwise runs sixteen forwards and backwards of 8
+samples, each torch operation paying its fixed cost sixteen times (docs/benchmarks.md, issue #15).
+
+``stack_models(models)``:
+1. Copies the first model's structure and replaces each layer that holds parameters with one that
+   holds all N models' in one tensor, worker after worker along the channels:
+   ``Conv2d(C, K, groups=g)`` becomes ``Conv2d(N*C, N*K, groups=N*g)``, ``BatchNorm{1,2}d(C)``
+   becomes ``BatchNorm(N*C)`` (statistics per channel are statistics per worker), ``Linear``
+   becomes ``StackedLinear`` (one batched matrix product). Layers without parameters (ReLU,
+   pooling, flatten, residual additions) act per channel already and stay.
+2. Moves every model's parameters and buffers into its slice of the stacked tensors: each model's
+   ``param.data`` becomes a view, so whatever changes a model's parameters in place (pulls,
+   optimizers, checkpoints) changes the stacked model, and the other way round.
+3. Any other layer with parameters or buffers is refused (``StackError``): it may mix workers.
+
+``StackedPass.run(inputs, labels, loss_fn)``: each model's batch goes in along the channels
+(``(B, C, ...)`` per model to ``(B, N*C, ...)``), the output comes apart the same way, each
+model's loss is its own loss function on its slice, and one backward of their sum leaves every
+model's gradient (a view into the stacked gradient) in its ``param.grad``. The first pass checks,
+in eval mode on that batch, that the stacked model computes each model's output: a model whose
+``forward`` mixes channels (a channel padding or concatenation, say) raises ``StackError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import queue
+import time
+from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .comm.local import Meeting
+from .comm.transport import Idle
+
+_STACKABLE = (nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.Linear)
+
+
+class StackError(ValueError):
+    """These models cannot be computed as one stacked model."""
+
+
+class StackedLinear(nn.Module):
+    """N ``Linear(in, out)`` layers: input ``(..., N*in)``, output ``(..., N*out)``, worker-major."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.n, self.in_features, self.out_features = n, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(n, out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.n, self.in_features).transpose(0, 1)  # (N, rows, in)
+        if self.bias is None:
+            out = torch.bmm(rows, self.weight.transpose(1, 2))
+        else:
+            out = torch.baddbmm(self.bias.unsqueeze(1), rows, self.weight.transpose(1, 2))
+        return out.transpose(0, 1).reshape(*lead, self.n * self.out_features)
+
+
+def _stacked_layer(layer: nn.Module, n: int) -> nn.Module:
+    """An empty layer with the room of ``n`` copies of ``layer``."""
+    if isinstance(layer, nn.Conv2d):
+        return nn.Conv2d(
+            n * layer.in_channels, n * layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
+            layer.dilation, n * layer.groups, layer.bias is not None, layer.padding_mode,
+        )  # fmt: skip
+    if isinstance(layer, nn.Linear):
+        return StackedLinear(n, layer.in_features, layer.out_features, layer.bias is not None)
+    return type(layer)(n * layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+
+
+def stack_models(models: Sequence[nn.Module]) -> nn.Module:
+    """One model that computes all of ``models`` (same architecture) at once; see the module
+    docstring. Afterwards the models' parameters and buffers live in the stacked model's."""
+    n = len(models)
+    stacked = copy.deepcopy(models[0])
+    for name, layer in list(stacked.named_modules()):
+        own = [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]
+        if not own:
+            continue
+        if type(layer) not in _STACKABLE:
+            raise StackError(f"layer {name!r} ({type(layer).__name__}) has parameters and is not one of {_names()}")
+        parent, _, attribute = name.rpartition(".")
+        like = own[0][1]
+        setattr(stacked.get_submodule(parent), attribute, _stacked_layer(layer, n).to(like.device, like.dtype))
+    with torch.no_grad():
+        for name, tensor in [*stacked.named_parameters(), *stacked.named_buffers()]:
+            parts = [_tensor(model, name) for model in models]
+            if tensor.dim() == 0:  # a BatchNorm's batch count: the same on every worker
+                tensor.copy_(parts[0])
+                continue
+            per_model = tensor.view(n, *parts[0].shape)
+            for i, part in enumerate(parts):
+                per_model[i].copy_(part)
+                part.data = per_model[i]
+    return stacked
+
+
+def _names() -> str:
+    return ", ".join(t.__name__ for t in _STACKABLE)
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    module, _, attribute = name.rpartition(".")
+    return getattr(model.get_submodule(module), attribute)
+
+
+def stack_inputs(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(B, C, ...)`` from each of N models to ``(B, N*C, ...)``: model i's channels i-th."""
+    first = parts[0]
+    return torch.stack(list(parts), 1).reshape(first.shape[0], len(parts) * first.shape[1], *first.shape[2:])
+
+
+class StackedPass:
+    """The forward and backward of N models as one; see the module docstring."""
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        self.models = list(models)
+        self.stacked = stack_models(self.models)
+        self.params = [
+            (tensor, [_tensor(model, name) for model in self.models]) for name, tensor in self.stacked.named_parameters()
+        ]
+        self.counts = [
+            (tensor, [_tensor(model, name) for model in self.models])
+            for name, tensor in self.stacked.named_buffers()
+            if tensor.dim() == 0
+        ]
+        self.checked = False
+
+    def check(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Raise ``StackError`` unless the stacked model gives each model's own output (eval mode,
+        no buffer changes) on ``inputs``."""
+        modes = [model.training for model in self.models]
+        try:
+            with torch.no_grad():
+                for model in [*self.models, self.stacked]:
+                    model.eval()
+                try:
+                    out = self.stacked(stack_inputs(inputs))
+                except RuntimeError as err:
+                    raise StackError(f"the stacked {type(self.models[0]).__name__} fails: {err}") from err
+                outs = out.reshape(out.shape[0], len(inputs), -1)
+                for i, (model, x) in enumerate(zip(self.models, inputs, strict=True)):
+                    own = model(x).reshape(x.shape[0], -1)
+                    if own.shape != outs[:, i].shape or not torch.allclose(outs[:, i], own, rtol=1e-3, atol=1e-4):
+                        raise StackError(
+                            f"the stacked {type(self.models[0]).__name__} does not compute each worker's output "
+                            "(its forward mixes channels across workers)"
+                        )
+        finally:
+            for model, mode in zip(self.models, modes, strict=True):
+                model.train(mode)
+            self.stacked.train(modes[0])
+        self.checked = True
+
+    def run(
+        self, inputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], loss_fn: Callable
+    ) -> list[float]:
+        """Every model's loss on its batch; every model's ``param.grad`` set to its gradient."""
+        if len({x.shape for x in inputs}) != 1:
+            raise StackError("the workers' batches differ in shape")
+        if not self.checked:
+            self.check(inputs)
+        self.stacked.train(self.models[0].training)
+        self.stacked.zero_grad(set_to_none=True)
+        n = len(inputs)
+        out = self.stacked(stack_inputs(inputs))
+        outs = out.view(out.shape[0], n, out.shape[1] // n)
+        losses = [loss_fn(outs[:, i], y) for i, y in enumerate(labels)]
+        torch.stack(losses).sum().backward()
+        for stacked, parts in self.params:
+            if stacked.grad is None:
+                continue
+            per_model = stacked.grad.reshape(n, *parts[0].shape)
+            for i, part in enumerate(parts):
+                part.grad = per_model[i]
+        for count, parts in self.counts:
+            for part in parts:
+                part.copy_(count)
+        return [float(loss.detach()) for loss in losses]
+
+
+class StackedWorkers:
+    """The simulated workers' forward and backward, one ``StackedPass`` for all of them.
+
+    1. Each worker joins with its model and loss function as it sets up (``member(rank).join``).
+    2. Each step every worker hands in its batch (``run``) and sleeps; the last to come hands the
+       stacked pass to the thread that started the simulation (``serve``) and waits for it on its
+       core token; each worker wakes to its loss, its gradients in its ``param.grad``.
+       Why that thread: glibc gives each thread a malloc arena, and an arena other than the main
+       one unmaps a heap whose memory is all free. A pass run by whichever worker came last
+       faulted in its activations afresh most steps (10,000 page faults a step for 16 workers of
+       WRN-10-1, against 300 without stacking, and a pass 20 % slower).
+    3. The first pass builds and checks the stacked model. If the models cannot be stacked
+       (``StackError``), the simulation says why once and every worker computes its own from then
+       on; a step whose batches differ in shape is computed one worker at a time.
+    """
+
+    def __init__(self, meeting: Meeting) -> None:
+        self.meeting = meeting
+        self.joined: dict[int, tuple[nn.Module, Callable]] = {}
+        self.stacked: StackedPass | None = None
+        self.refused: str | None = None
+        self.passes: queue.SimpleQueue[tuple[Future, dict, int]] = queue.SimpleQueue()
+
+    def close(self, reason: str) -> None:
+        """Fail the passes handed in that nobody will run (the simulation was interrupted)."""
+        while not self.passes.empty():
+            self.passes.get().set_exception(RuntimeError(reason))
+
+    def serve(self, timeout: float) -> None:
+        """Run the pass a worker handed in, if one comes within ``timeout`` seconds (the thread
+        that started the simulation calls this while the ranks run)."""
+        try:
+            done, parts, threads = self.passes.get(timeout=timeout)
+        except queue.Empty:
+            return
+        try:
+            done.set_result(self._compute(parts, threads))
+        except BaseException as err:  # handed to the waiting worker; Ctrl-C also goes on up
+            done.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
+
+    def member(self, rank: int) -> StackedMember:
+        return StackedMember(self, rank)
+
+    def _pass(self, parts: dict) -> tuple[dict[int, float], float] | None:
+        """The closing worker's part: hand the pass to ``serve`` and wait for its result. The pass
+        runs with this rank's torch threads times the core tokens it holds: its own and those no
+        rank holds now (the other workers sleep meanwhile)."""
+        world = self.meeting.world
+        borrowed = world.borrow_cores()
+        try:
+            done: Future = Future()
+            self.passes.put((done, parts, torch.get_num_threads() * (1 + borrowed)))
+            return done.result()
+        finally:
+            world.return_cores(borrowed)
+
+    def _compute(self, parts: dict, threads: int) -> tuple[dict[int, float], float] | None:
+        """Every worker's loss by rank and the pass's seconds, or None: each computes its own."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if self.refused is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            if self.stacked is None:
+                self.stacked = StackedPass([self.joined[rank][0] for rank in parts])
+            losses = self.stacked.run(
+                [images for images, _ in parts.values()], [labels for _, labels in parts.values()],
+                self.joined[next(iter(parts))][1],
+            )  # fmt: skip
+            return dict(zip(parts, losses, strict=True)), time.perf_counter() - start
+        except StackError as err:
+            if self.stacked is None or not self.stacked.checked:
+                self.refused = str(err)
+                print(f"[psgrad] note: each worker computes on its own: {err}", file=sys.stderr)
+            return None
+
+
+class StackedMember:
+    """One worker's handle on ``StackedWorkers``: what its ``Backprop`` calls."""
+
+    def __init__(self, group: StackedWorkers, rank: int) -> None:
+        self.group, self.rank = group, rank
+        self.share = 0.0  # seconds: the last pass's time over the workers, each one's compute
+
+    def join(self, model: nn.Module, loss_fn: Callable) -> None:
+        self.group.joined[self.rank] = (model, loss_fn)
+
+    def run(self, images: torch.Tensor, labels: torch.Tensor, idle: Idle | None = None) -> float | None:
+        """This worker's loss, its gradients in its ``param.grad``; None: compute them yourself."""
+        if self.group.refused is not None:
+            return None
+        result = self.group.meeting.meet(self.rank, (images, labels), self.group._pass, idle)
+        if result is None:
+            return None
+        losses, seconds = result
+        self.share = seconds / len(losses)
+        return losses[self.rank]
