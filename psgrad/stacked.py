@@ -27,11 +27,11 @@ in eval mode on that batch, that the stacked model computes each model's output:
 from __future__ import annotations
 
 import copy
-import sys
 import queue
+import sys
 import time
-from concurrent.futures import Future
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -126,7 +126,8 @@ class StackedPass:
         self.models = list(models)
         self.stacked = stack_models(self.models)
         self.params = [
-            (tensor, [_tensor(model, name) for model in self.models]) for name, tensor in self.stacked.named_parameters()
+            (tensor, [_tensor(model, name) for model in self.models])
+            for name, tensor in self.stacked.named_parameters()
         ]
         self.counts = [
             (tensor, [_tensor(model, name) for model in self.models])
@@ -161,9 +162,7 @@ class StackedPass:
             self.stacked.train(modes[0])
         self.checked = True
 
-    def run(
-        self, inputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], loss_fn: Callable
-    ) -> list[float]:
+    def run(self, inputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], loss_fn: Callable) -> list[float]:
         """Every model's loss on its batch; every model's ``param.grad`` set to its gradient."""
         if len({x.shape for x in inputs}) != 1:
             raise StackError("the workers' batches differ in shape")

@@ -56,7 +56,7 @@ FLOORS = [
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
     (2, ["psgrad.comm.local", "psgrad.accuracy"]),
-    (3, ["psgrad.backprop"]),
+    (3, ["psgrad.backprop", "psgrad.stacked"]),
     (1, ["psgrad.comm.sentinel"]),
     (2, ["psgrad.checkpoint", "psgrad.comm.watchdog"]),
     (3, ["psgrad.context", "psgrad.startup"]),

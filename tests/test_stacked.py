@@ -1,0 +1,154 @@
+"""psgrad.stacked: N models computed as one grouped model give each model its own loss, gradient
+and BatchNorm statistics, share their parameters with it, and refuse what would mix them."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psgrad.comm.local import LocalWorld, Meeting, OtherRankFailed
+from psgrad.models import build_model
+from psgrad.stacked import StackedPass, StackError, stack_inputs
+
+N, B = 3, 4
+
+
+def _models(name: str, n: int = N) -> list[nn.Module]:
+    """``n`` models in float64 (where the stacked and the plain pass agree to 1e-12), dropout off
+    (its masks are drawn per pass, so they differ between the two anyway)."""
+    torch.manual_seed(0)
+    options = {"depth": 10, "widen_factor": 1} if name == "wrn" else {}
+    models = [build_model(name, 10, **options).double() for _ in range(n)]
+    for module in (m for model in models for m in model.modules()):
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return models
+
+
+def _batches(n: int = N) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(1)
+    return [torch.randn(B, 3, 32, 32, dtype=torch.float64) for _ in range(n)], [
+        torch.randint(0, 10, (B,)) for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("name", ["wrn", "convnet", "mlp", "resnet9", "alexnet"])
+def test_every_model_gets_its_own_loss_gradient_and_batchnorm_statistics(name):
+    models = _models(name)
+    alone = copy.deepcopy(models)
+    images, labels = _batches()
+    for model in [*models, *alone]:
+        model.train()
+    losses = StackedPass(models).run(images, labels, F.cross_entropy)
+    for i, model in enumerate(alone):
+        loss = F.cross_entropy(model(images[i]), labels[i])
+        loss.backward()
+        assert losses[i] == pytest.approx(loss.item(), rel=1e-12)
+        for (key, mine), theirs in zip(models[i].named_parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-9, atol=1e-12, msg=key)
+        for (key, mine), theirs in zip(models[i].named_buffers(), model.buffers(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12, msg=key)  # running stats, counts
+
+
+def test_the_models_and_the_stacked_model_share_their_parameters():
+    models = _models("wrn")
+    stacked = StackedPass(models)
+    per_model = stacked.stacked.conv1.weight.view(N, *models[0].conv1.weight.shape)
+    before = per_model.clone()
+    with torch.no_grad():
+        models[1].conv1.weight.add_(1.0)  # a pull or an optimizer step on worker 1
+        stacked.stacked.blocks[0].bn1.running_mean.view(N, -1)[2].fill_(7.0)
+    assert torch.equal(per_model[1], before[1] + 1.0)
+    assert torch.equal(per_model[0], before[0]) and torch.equal(per_model[2], before[2])
+    assert torch.equal(models[2].blocks[0].bn1.running_mean, torch.full_like(models[2].blocks[0].bn1.running_mean, 7.0))
+    images, labels = _batches()
+    stacked.run(images, labels, F.cross_entropy)
+    grad = stacked.stacked.fc.weight.grad
+    assert models[2].fc.weight.grad.data_ptr() == grad[2].data_ptr()  # a view, not a copy
+
+
+def test_the_stacked_inputs_put_each_models_channels_in_its_place():
+    parts = [torch.full((2, 3, 4, 4), float(i)) for i in range(N)]
+    stacked = stack_inputs(parts)
+    assert stacked.shape == (2, 3 * N, 4, 4)
+    assert [stacked[:, 3 * i : 3 * i + 3].unique().item() for i in range(N)] == [0.0, 1.0, 2.0]
+
+
+def test_a_model_whose_forward_mixes_the_workers_channels_is_refused():
+    models = _models("resnet20")  # its shortcut pads the channel dimension
+    with pytest.raises(StackError, match="ResNet20"):
+        StackedPass(models).run(*_batches(), F.cross_entropy)
+
+
+def test_a_layer_it_cannot_stack_is_refused_by_name():
+    models = [nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 8), nn.LayerNorm(8)) for _ in range(N)]
+    with pytest.raises(StackError, match="'2' .LayerNorm."):
+        StackedPass(models)
+
+
+def test_batches_of_different_shapes_are_refused():
+    images, labels = _batches()
+    images[1] = images[1][:2]
+    with pytest.raises(StackError, match="differ in shape"):
+        StackedPass(_models("convnet")).run(images, labels, F.cross_entropy)
+
+
+# ---------------------------------------------------------------------- the meeting
+def _meet(size: int, body) -> list:
+    world = LocalWorld(size, 30.0)
+    meeting = Meeting(world, size)
+    out: list = [None] * size
+
+    def play(rank: int) -> None:
+        try:
+            out[rank] = body(world, meeting, rank)
+        except Exception as err:  # noqa: BLE001 -- inspected by the test
+            out[rank] = err
+            world.fail(f"rank {rank}: {err}")
+        finally:
+            world.finished(rank)
+
+    threads = [threading.Thread(target=play, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a rank hangs at the meeting"
+    return out
+
+
+def test_the_last_rank_to_come_acts_for_all_and_every_rank_gets_the_result():
+    acted_by = []
+
+    def body(world, meeting, rank):
+        results = []
+        for round_ in range(3):
+            world.enter(rank)
+            try:
+                results.append(
+                    meeting.meet(rank, (round_, rank), lambda parts: (acted_by.append(1), sorted(parts.values()))[1])
+                )
+            finally:
+                world.leave(rank)
+        return results
+
+    out = _meet(3, body)
+    assert len(acted_by) == 3  # once a round
+    for results in out:
+        assert results == [[(r, 0), (r, 1), (r, 2)] for r in range(3)]
+
+
+def test_a_rank_that_fails_before_the_meeting_stops_the_others():
+    def body(world, meeting, rank):
+        if rank == 2:
+            raise RuntimeError("no batch")
+        return meeting.meet(rank, rank, lambda parts: parts)
+
+    out = _meet(3, body)
+    assert isinstance(out[2], RuntimeError)
+    assert all(isinstance(err, OtherRankFailed) for err in out[:2])
