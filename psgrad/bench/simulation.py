@@ -90,7 +90,13 @@ def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool = True) -> d
 
 
 def report(
-    workers: int, batch: int, rows: dict[str, RunConfig], steps: int, base: RunConfig, stack: bool = True
+    workers: int,
+    batch: int,
+    rows: dict[str, RunConfig],
+    steps: int,
+    base: RunConfig,
+    stack: bool = True,
+    repeat: int = 1,
 ) -> str:
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
     cores = len(os.sched_getaffinity(0))
@@ -101,25 +107,31 @@ def report(
             alone_rates[threads].append(alone(base, workers * batch, steps, threads))
 
     measure_alone()
-    results = {}
-    for item, cfg in rows.items():
-        results[item] = simulated(cfg, workers, 1, stack), simulated(cfg, workers, cores, stack)
-        measure_alone()
+    runs: dict[str, list[dict]] = {item: [] for item in rows}
+    for _ in range(repeat):
+        for item, cfg in rows.items():
+            single, full = simulated(cfg, workers, 1, stack), simulated(cfg, workers, cores, stack)
+            measure_alone()
+            # the alone runs just before and just after: this VM's speed drifts by a third in minutes
+            near = {threads: (rates[-2] + rates[-1]) / 2 for threads, rates in alone_rates.items()}
+            runs[item].append({"single": single, "full": full, "near_one": near[1], "near_every": near[cores]})
     torch.set_num_threads(1)
     one, every = max(alone_rates[1]), max(alone_rates[cores])
     lines = [
         f"{cpu_name()}, {cores} cores, torch {torch.__version__}; {base.model} (depth {base.depth}, "
         f"width {base.widen_factor}), synthetic data, {steps} steps, "
-        f"{'workers stacked into one model' if stack else 'one pass per worker (--no-stack)'}",
+        f"{'workers stacked into one model' if stack else 'one pass per worker (--no-stack)'}, "
+        f"median of {repeat} run{'s' if repeat > 1 else ''} per row",
         "",
-        f"Alone, batch {workers * batch}, the fastest of {len(alone_rates[1])} runs (one before the simulations, "
-        f"one after each row's): {one:.2f} it/s with 1 thread "
-        f"({', '.join(f'{r:.2f}' for r in alone_rates[1])}), {every:.2f} it/s with {cores} "
-        f"({', '.join(f'{r:.2f}' for r in alone_rates[cores])}).",
+        f"Alone, batch {workers * batch}, {len(alone_rates[1])} runs (one before the simulations, one after each "
+        f"run of a row): the fastest {one:.2f} it/s with 1 thread ({', '.join(f'{r:.2f}' for r in alone_rates[1])}), "
+        f"{every:.2f} it/s with {cores} ({', '.join(f'{r:.2f}' for r in alone_rates[cores])}). "
+        "'x near' divides by the mean of the alone runs just before and after the simulation.",
         "",
-        f"| row | {workers}x{batch} simulated, 1 core | ratio to alone, 1 thread | simulated, {cores} cores "
-        f"| ratio to alone, {cores} threads | ratio to alone, 1 thread | final loss |",
-        "|---|---|---|---|---|---|---|",
+        f"| row | {workers}x{batch} simulated, 1 core | x fastest alone, 1 thread | x near alone, 1 thread "
+        f"| simulated, {cores} cores | x fastest alone, {cores} threads | x near alone, {cores} threads "
+        f"| x fastest alone, 1 thread | final loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     breakdown = [
         "",
@@ -128,12 +140,21 @@ def report(
         "| row | step | compute | coding | optimizer | bookkeeping |",
         "|---|---|---|---|---|---|",
     ]
-    for item, (single, full) in results.items():
+    for item, measured in runs.items():
+
+        def median(pick, measured: list[dict] = measured) -> float:
+            return statistics.median(pick(run) for run in measured)
+
+        single, full = median(lambda r: r["single"]["rate"]), median(lambda r: r["full"]["rate"])
+        near_single = median(lambda r: r["single"]["rate"] / r["near_one"])
+        near_full = median(lambda r: r["full"]["rate"] / r["near_every"])
         lines.append(
-            f"| {item} | {single['rate']:.2f} it/s | {single['rate'] / one:.2f}x | {full['rate']:.2f} it/s "
-            f"| {full['rate'] / every:.2f}x | {full['rate'] / one:.2f}x | {full['loss']:.3f} |"
+            f"| {item} | {single:.2f} it/s | {single / one:.2f}x | {near_single:.2f}x | {full:.2f} it/s "
+            f"| {full / every:.2f}x | {near_full:.2f}x | {full / one:.2f}x | {measured[-1]['full']['loss']:.3f} |"
         )
-        parts = [1000.0 / single["rate"], single["compute"], single["coding"], single["optimizer"], single["rest"]]
+        parts = [1000.0 / single] + [
+            median(lambda r, key=key: r["single"][key]) for key in ("compute", "coding", "optimizer", "rest")
+        ]
         breakdown.append(f"| {item} | " + " | ".join(f"{p:.0f}" for p in parts) + " |")
     return "\n".join(lines + breakdown)
 
@@ -150,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
+    parser.add_argument("--repeat", type=int, default=1, help="Runs of every row (and an alone run after each).")
     parser.add_argument(
         "--no-stack",
         dest="stack",
@@ -159,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     base = RunConfig(
         model=args.model, depth=10, widen_factor=1, batch_size=args.batch_size, steps=args.steps,
         dataset="synthetic", progress=False, eval_every=0,
@@ -168,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
         parser.error(str(err))
-    print(report(args.workers, args.batch_size, rows, args.steps, base, args.stack))
+    print(report(args.workers, args.batch_size, rows, args.steps, base, args.stack, args.repeat))
 
 
 if __name__ == "__main__":
