@@ -13,6 +13,10 @@
 Torch runs each rank's operations in that rank's thread and releases the GIL inside them, so the
 ranks compute in parallel on the machine's cores, at most ``--cores`` of them at a time (the
 local transport's core tokens); ``--threads`` stays the torch threads per rank.
+
+With ``stack`` (``--stack``; by default when the ranks have one core) the workers' forwards and backwards are one pass of a
+stacked model instead (``psgrad.stacked``): the thread that called ``simulate`` runs it, for the
+worker that handed in the last batch of the step, while it waits for the rank threads to end.
 """
 
 from __future__ import annotations
@@ -56,16 +60,17 @@ def simulate(
     loss_fn: LossFn = F.cross_entropy,
     optimizer_fn: OptimizerFn | None = None,
     cores: int | None = None,
-    stack: bool = True,
+    stack: bool | None = None,
 ) -> list[RunResult]:
     """Run ``cfg`` with ``workers`` workers in this process; every rank's result, by rank.
 
     The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
     at a time (default: the cores this process may use); ``stack`` computes the workers' forwards
-    and backwards as one stacked model (``psgrad.stacked``). Raises the first error any rank hit."""
+    and backwards as one stacked model (``psgrad.stacked``; None: when the ranks have one core,
+    where it measured faster). Raises the first error any rank hit."""
     size = world_size(cfg, workers)
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
-    if stack:
+    if stack if stack is not None else world.core_count == 1:
         world.stacked = StackedWorkers(Meeting(world, workers))
     results: list[RunResult | None] = [None] * size
     errors: list[BaseException] = []

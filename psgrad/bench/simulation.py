@@ -7,8 +7,8 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
    after each row's, and the fastest run is the baseline: with glibc's default malloc the same
    loop varied from 6 to 9 it/s between runs minutes apart on this VM (its batch of 128 faulted
    in fresh pages each step); with freed memory kept (psgrad/allocator.py) it stays within 7 %.
-2. Simulated: ``simulate`` with N workers of batch B (stacked into one model unless
-   ``--no-stack``), for each row (a codec spec, optionally
+2. Simulated: ``simulate`` with N workers of batch B (stacked into one model on one core by
+   default, ``--stack on|off`` to choose), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
    (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
    median step rate after the first five steps.
@@ -39,6 +39,11 @@ from .codecbench import cpu_name
 from .launcher import item_config
 
 WARMUP = 5
+_STACKING = {
+    None: "workers stacked into one model on 1 core, one pass per worker on more (simulate's default)",
+    True: "workers stacked into one model (--stack)",
+    False: "one pass per worker (--no-stack)",
+}
 
 
 def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
@@ -61,7 +66,7 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
     return 1.0 / statistics.median(times[WARMUP:])
 
 
-def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool = True) -> dict:
+def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool | None = None) -> dict:
     """Rate, phase breakdown (ms per step) and final loss of one simulation."""
     result = simulate(cfg, workers, cores=cores, stack=stack)[0]
     rows = result.rows[WARMUP:]
@@ -95,7 +100,7 @@ def report(
     rows: dict[str, RunConfig],
     steps: int,
     base: RunConfig,
-    stack: bool = True,
+    stack: bool | None = None,
     repeat: int = 1,
 ) -> str:
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
@@ -120,7 +125,7 @@ def report(
     lines = [
         f"{cpu_name()}, {cores} cores, torch {torch.__version__}; {base.model} (depth {base.depth}, "
         f"width {base.widen_factor}), synthetic data, {steps} steps, "
-        f"{'workers stacked into one model' if stack else 'one pass per worker (--no-stack)'}, "
+        f"{_STACKING[stack]}, "
         f"median of {repeat} run{'s' if repeat > 1 else ''} per row",
         "",
         f"Alone, batch {workers * batch}, {len(alone_rates[1])} runs (one before the simulations, one after each "
@@ -173,10 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
     parser.add_argument("--repeat", type=int, default=1, help="Runs of every row (and an alone run after each).")
     parser.add_argument(
-        "--no-stack",
-        dest="stack",
-        action="store_false",
-        help="Simulate with psgrad simulate --no-stack: one forward and backward per worker, not one stacked pass.",
+        "--stack",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="psgrad simulate's --stack: auto (its default: the workers stacked into one model on one core, "
+        "one pass per worker on more), on (--stack) or off (--no-stack).",
     )
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
         parser.error(str(err))
-    print(report(args.workers, args.batch_size, rows, args.steps, base, args.stack, args.repeat))
+    stack = {"auto": None, "on": True, "off": False}[args.stack]
+    print(report(args.workers, args.batch_size, rows, args.steps, base, stack, args.repeat))
 
 
 if __name__ == "__main__":
