@@ -51,3 +51,29 @@ def run_script(
     name: str, *args: str, n: int = 3, timeout: float = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return run_mpi([sys.executable, str(SCRIPTS / name), *args], n=n, timeout=timeout, env=env)
+
+
+def run_local_ranks(world, body) -> list:
+    """Run ``body(rank)`` for every rank of the simulated ``world`` (comm/local.py), each in a thread
+    of its own, as ``psgrad simulate`` does: a rank that raises fails the world. Returns each rank's
+    result or exception; a rank still running after a minute fails the test."""
+    import threading
+
+    out: list = [None] * world.size
+
+    def play(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except Exception as err:  # noqa: BLE001 -- inspected by the test
+            out[rank] = err
+            world.fail(f"rank {rank}: {err}")
+        finally:
+            world.finished(rank)
+
+    threads = [threading.Thread(target=play, args=(r,)) for r in range(world.size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a local rank hangs"
+    return out

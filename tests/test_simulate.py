@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import csv
 import sys
-import threading
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_bounded, run_mpi
+from conftest import run_bounded, run_local_ranks, run_mpi
 
 from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
 from psgrad.comm.transport import PeerFailure
@@ -181,24 +180,7 @@ def test_a_failing_rank_ends_every_rank_with_its_own_error():
 def _ranks(size: int, body, stall: float = 30.0) -> list:
     """Run ``body(transport)`` on ``size`` local ranks in threads; their results or exceptions."""
     world = LocalWorld(size, stall)
-    out: list = [None] * size
-
-    def play(rank: int) -> None:
-        try:
-            out[rank] = body(LocalTransport(world, rank))
-        except Exception as err:  # noqa: BLE001 -- inspected by the test
-            out[rank] = err
-            world.fail(f"rank {rank}: {err}")
-        finally:
-            world.finished(rank)
-
-    threads = [threading.Thread(target=play, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a local rank hangs"
-    return out
+    return run_local_ranks(world, lambda rank: body(LocalTransport(world, rank)))
 
 
 def test_messages_between_two_ranks_arrive_in_order_and_match_by_tag():

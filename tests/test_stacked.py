@@ -4,11 +4,11 @@ and BatchNorm statistics, share their parameters with it, and refuse what would 
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_local_ranks
 from torch import nn
 
 from psgrad.comm.local import LocalWorld, Meeting, OtherRankFailed
@@ -102,24 +102,7 @@ def test_batches_of_different_shapes_are_refused():
 def _meet(size: int, body) -> list:
     world = LocalWorld(size, 30.0)
     meeting = Meeting(world, size)
-    out: list = [None] * size
-
-    def play(rank: int) -> None:
-        try:
-            out[rank] = body(world, meeting, rank)
-        except Exception as err:  # noqa: BLE001 -- inspected by the test
-            out[rank] = err
-            world.fail(f"rank {rank}: {err}")
-        finally:
-            world.finished(rank)
-
-    threads = [threading.Thread(target=play, args=(r,)) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-        assert not thread.is_alive(), "a rank hangs at the meeting"
-    return out
+    return run_local_ranks(world, lambda rank: body(world, meeting, rank))
 
 
 def test_the_last_rank_to_come_acts_for_all_and_every_rank_gets_the_result():
