@@ -105,6 +105,17 @@ def test_every_topology_trains_stacked_as_it_does_unstacked(topology):
         torch.testing.assert_close(stacked[rank].params[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_stacked_workers_saved_model_holds_only_its_own_tensors(tmp_path):
+    """Its parameters are views into the stacked model's: model.pt must not carry all of them."""
+    cfg = RunConfig(
+        model="convnet", batch_size=4, steps=2, topology="ring", progress=False, timeout=60, eval_every=0,
+        log_dir=str(tmp_path),
+    )  # fmt: skip
+    results = simulate(cfg, 8, cores=1)
+    own = sum(value.numel() * value.element_size() for value in results[0].params.values())
+    assert (tmp_path / "model.pt").stat().st_size < 1.5 * own + 20_000
+
+
 def test_thirty_two_workers_train_a_small_model():
     cfg = RunConfig(
         model="convnet", batch_size=4, steps=4, dataset="synthetic", codec="topk:ratio=0.05",
