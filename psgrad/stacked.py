@@ -196,8 +196,9 @@ class StackedWorkers:
        core token; each worker wakes to its loss, its gradients in its ``param.grad``.
        Why that thread: glibc gives each thread a malloc arena, and an arena other than the main
        one unmaps a heap whose memory is all free. A pass run by whichever worker came last
-       faulted in its activations afresh most steps (10,000 page faults a step for 16 workers of
-       WRN-10-1, against 300 without stacking, and a pass 20 % slower).
+       faulted in its activations afresh most steps (8,000–10,000 page faults a step for 16
+       workers of WRN-10-1, against 300 without stacking; a median pass of 418 ms against 351
+       with every thread on the main arena, MALLOC_ARENA_MAX=1).
     3. The first pass builds and checks the stacked model. If the models cannot be stacked
        (``StackError``), the simulation says why once and every worker computes its own from then
        on; a step whose batches differ in shape is computed one worker at a time.
