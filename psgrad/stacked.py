@@ -250,8 +250,6 @@ class StackedWorkers:
         """Every worker's loss by rank and the pass's seconds, or None: each computes its own."""
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        if self.refused is not None:
-            return None
         start = time.perf_counter()
         try:
             if self.stacked is None:

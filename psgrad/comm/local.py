@@ -103,6 +103,19 @@ class LocalWorld:
             self.enter(rank)
         return time.perf_counter() - start
 
+    def wait_until(self, rank: int, done: Callable[[], bool], idle: Idle | None = None) -> float:
+        """Poll ``done`` (which raises through ``check`` when the job failed or stalled) until it
+        holds, asleep between polls until news for ``rank``, running ``idle`` between them; the
+        seconds slept."""
+        slept = 0.0
+        while True:
+            epoch = self.epoch[rank]
+            if done():
+                return slept
+            if idle is not None and idle():
+                continue
+            slept += self.sleep(rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
+
     def enter(self, rank: int) -> None:
         """Rank ``rank`` starts to run: it takes a core token (waits for one)."""
         self.cores.acquire()
@@ -193,14 +206,7 @@ class LocalHandle(Handle):
 
     def wait(self, idle: Idle | None = None, patience: Patience | None = None) -> Handle:
         """Block until done, asleep until news for this rank (``idle`` runs between polls)."""
-        world, slept = self.world, 0.0
-        while True:
-            epoch = world.epoch[self.rank]
-            if self.test():
-                break
-            if idle is not None and idle():
-                continue
-            slept += world.sleep(self.rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
+        slept = self.world.wait_until(self.rank, self.test, idle)
         if self.transport is not None:
             self.transport.idle_seconds += slept
         return self
@@ -256,15 +262,16 @@ class Meeting:
                 self.round += 1
                 world.notify(range(world.size))
             return result
-        while True:
-            epoch = world.epoch[rank]
+
+        def closed() -> bool:
             with world.lock:
                 if self.round != round_:
-                    return self.result
+                    return True
             world.check(rank)
-            if idle is not None and idle():
-                continue
-            world.sleep(rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
+            return False
+
+        world.wait_until(rank, closed, idle)
+        return self.result
 
 
 class LocalTransport(Transport):
