@@ -18,6 +18,7 @@ from torch import nn
 
 from .comm.protocol import GradientGate, Layer, layer_grad
 from .config import RunConfig
+from .models.step import StepStart
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -99,6 +100,7 @@ class Backprop:
         """``stacked``: the rank's ``StackedMember`` when ``psgrad simulate`` computes its workers as
         one model (``transport.stacked_member()``); it is used without micro-batches and --amp."""
         self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
+        self.step_start = StepStart(model)
         self.scale = LossScale(cfg.amp == "fp16")
         self.pushing = True
         self.stacked = stacked if cfg.accumulate == 1 and cfg.amp == "off" else None
@@ -119,7 +121,7 @@ class Backprop:
         after_first_forward: Callable[[], None],
         idle: Callable[[], bool] | None = None,
     ) -> float:
-        """Zero the gradients, then for each of ``--accumulate`` micro-batches: forward (under
+        """Training mode on and the gradients cleared, then for each of ``--accumulate`` micro-batches: forward (under
         autocast with ``--amp``), loss x its share of the batch x the loss scale, backward. Hooks
         may send only during the last backward (``pushing``). Returns the batch's mean loss.
 
@@ -128,7 +130,7 @@ class Backprop:
         then the stacked pass sets the gradients (no hook fires: the roles send every layer after
         backward); ``idle`` runs while this rank waits for the others to hand in their batches.
         The time it slept beyond its share of the pass is ``waited`` (a wait, not compute)."""
-        self.model.zero_grad(set_to_none=True)
+        self.step_start()
         self.waited = 0.0
         if self.stacked is not None:
             after_first_forward()

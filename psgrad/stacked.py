@@ -38,6 +38,7 @@ from torch import nn
 
 from .comm.local import Meeting
 from .comm.transport import Idle
+from .models.step import StepStart
 
 _STACKABLE = (nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.Linear)
 
@@ -125,6 +126,7 @@ class StackedPass:
     def __init__(self, models: Sequence[nn.Module]) -> None:
         self.models = list(models)
         self.stacked = stack_models(self.models)
+        self.step_start = StepStart(self.stacked)
         self.params = [
             (tensor, [_tensor(model, name) for model in self.models])
             for name, tensor in self.stacked.named_parameters()
@@ -168,8 +170,7 @@ class StackedPass:
             raise StackError("the workers' batches differ in shape")
         if not self.checked:
             self.check(inputs)
-        self.stacked.train(self.models[0].training)
-        self.stacked.zero_grad(set_to_none=True)
+        self.step_start(self.models[0].training)
         n = len(inputs)
         out = self.stacked(stack_inputs(inputs))
         outs = out.view(out.shape[0], n, out.shape[1] // n)

@@ -1,5 +1,7 @@
 """--accumulate, --clip-grad-norm and --amp: the step's gradient, without MPI."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -115,3 +117,21 @@ def test_inputs_need_not_be_one_tensor():
         backprop.run(inputs, labels, lambda: None)
         grads.append(_grads(model))
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_each_run_starts_in_training_mode_with_fresh_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+    backprop = Backprop(RunConfig(model="mlp", batch_size=8), model, nn.functional.cross_entropy, torch.device("cpu"))
+    images, labels = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    backprop.run(images, labels, lambda: None)
+    model[1].eval()  # a module left in eval mode while the root trains
+    reference = copy.deepcopy(model).train()
+    nn.functional.cross_entropy(reference(images), labels).backward()
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 1000.0)  # a stale gradient the run must not add to
+    means = model[1].running_mean.clone()
+    backprop.run(images, labels, lambda: None)
+    assert all(module.training for module in model.modules())
+    assert not torch.equal(model[1].running_mean, means)  # BatchNorm took the batch's statistics
+    torch.testing.assert_close(_grads(model), _grads(reference))

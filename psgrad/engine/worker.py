@@ -317,7 +317,6 @@ class Worker:
         self.gate.reset()
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
-        self.model.train()
         t_fwd = start
 
         def after_first_forward() -> None:

@@ -189,7 +189,6 @@ class PeerRole(Role):
         self.skipping: set[int] = set()  # layers a rank marked skipped (non-finite) this step
         start = time.perf_counter()
         self.doing = f"step {step}: forward"
-        self.model.train()
         t_fwd = start
 
         def after_first_forward() -> None:

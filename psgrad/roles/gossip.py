@@ -94,7 +94,6 @@ class GossipRole(Role):
         self.gate.reset()
         start = time.perf_counter()
         self.doing = f"step {step}: forward and backward"
-        self.model.train()
         recvs: dict[tuple[int, int], Handle] = {}
         t_fwd = start
 
