@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch import nn
 from .comm.protocol import GradientGate, Layer, layer_grad
 from .config import RunConfig
 from .models.step import StepStart
+
+if TYPE_CHECKING:  # the interface only: backprop itself needs no MPI
+    from .comm.transport import StackedCompute
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,7 +99,12 @@ class Backprop:
     """Forward and backward of one batch on one worker; see the module docstring."""
 
     def __init__(
-        self, cfg: RunConfig, model: nn.Module, loss_fn: Callable, device: torch.device, stacked: object = None
+        self,
+        cfg: RunConfig,
+        model: nn.Module,
+        loss_fn: Callable,
+        device: torch.device,
+        stacked: StackedCompute | None = None,
     ) -> None:
         """``stacked``: the rank's ``StackedMember`` when ``psgrad simulate`` computes its workers as
         one model (``transport.stacked_member()``); it is used without micro-batches and --amp."""

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -24,6 +25,17 @@ _MAX_SLEEP = 1e-3
 
 Idle = Callable[[], bool]
 """Work to do while a wait has nothing to show (a colocated server's polling); True when it did some."""
+
+
+class StackedCompute(Protocol):
+    """A worker's part in one forward and backward computed for every worker of a process
+    (``psgrad.stacked.StackedMember``, under ``psgrad simulate --stack``)."""
+
+    share: float  # seconds: this worker's share of the last pass
+
+    def join(self, model, loss_fn: Callable) -> None: ...
+
+    def run(self, images, labels, idle: Idle | None = None) -> float | None: ...
 
 
 class PeerFailure(RuntimeError):
@@ -189,7 +201,7 @@ class Transport:
         # per thread: a colocated rank's serving thread polls beside its worker (--serve-thread)
         self._scratch = threading.local()
 
-    def stacked_member(self) -> None:
+    def stacked_member(self) -> StackedCompute | None:
         """No stacked compute across processes (only ``psgrad simulate`` has one: comm/local.py)."""
         return None
 
