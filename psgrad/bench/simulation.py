@@ -3,14 +3,17 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
 
 1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9),
    once with one torch thread (a psgrad worker's default) and once with one thread per core.
-   Its rate is the median step time's inverse. It is measured before the simulations and again
-   after each row's, and the fastest run is the baseline: with glibc's default malloc the same
-   loop varied from 6 to 9 it/s between runs minutes apart on this VM (its batch of 128 faulted
-   in fresh pages each step); with freed memory kept (psgrad/allocator.py) it stays within 7 %.
+   Its rate is the median step time's inverse. It runs just before and just after every
+   simulation, with as many threads as the simulation has cores: "x near" divides the
+   simulation by the mean of those two, "x fastest" by the fastest alone run of all. (One VM's
+   speed drifted by a third within minutes, 2.6-4.0 it/s for the same loop; with glibc's default
+   malloc the loop also varied from 6 to 9 it/s, its batch of 128 faulting in fresh pages each
+   step, which freed memory kept, psgrad/allocator.py, ended.)
 2. Simulated: ``simulate`` with N workers of batch B (stacked into one model on one core by
    default, ``--stack on|off`` to choose), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
-   (``--cores 1``: the ranks run one at a time) and once with every core. The rate is rank 0's
+   (``--cores 1``: the ranks run one at a time) and once with every core (on a machine of more
+   than one). The rate is rank 0's
    median step rate after the first five steps.
 3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
    is CPU time: compute = N x (forward + backward) (stacked: the pass, each worker counted with
@@ -107,19 +110,21 @@ def report(
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
 
-    def measure_alone() -> None:
-        for threads in alone_rates:
-            alone_rates[threads].append(alone(base, workers * batch, steps, threads))
+    def bracketed(cfg: RunConfig, simulation_cores: int) -> tuple[dict, float]:
+        """A simulation between two alone runs with as many threads as it has cores: its result
+        and the mean of those two rates (this VM's speed drifts by a third in minutes)."""
+        before = alone(base, workers * batch, steps, simulation_cores)
+        result = simulated(cfg, workers, simulation_cores, stack)
+        after = alone(base, workers * batch, steps, simulation_cores)
+        alone_rates[simulation_cores] += [before, after]
+        return result, (before + after) / 2
 
-    measure_alone()
     runs: dict[str, list[dict]] = {item: [] for item in rows}
     for _ in range(repeat):
         for item, cfg in rows.items():
-            single, full = simulated(cfg, workers, 1, stack), simulated(cfg, workers, cores, stack)
-            measure_alone()
-            # the alone runs just before and just after: this VM's speed drifts by a third in minutes
-            near = {threads: (rates[-2] + rates[-1]) / 2 for threads, rates in alone_rates.items()}
-            runs[item].append({"single": single, "full": full, "near_one": near[1], "near_every": near[cores]})
+            single, near_one = bracketed(cfg, 1)
+            full, near_every = bracketed(cfg, cores) if cores > 1 else (single, near_one)
+            runs[item].append({"single": single, "full": full, "near_one": near_one, "near_every": near_every})
     torch.set_num_threads(1)
     one, every = max(alone_rates[1]), max(alone_rates[cores])
     lines = [
@@ -128,10 +133,11 @@ def report(
         f"{_STACKING[stack]}, "
         f"median of {repeat} run{'s' if repeat > 1 else ''} per row",
         "",
-        f"Alone, batch {workers * batch}, {len(alone_rates[1])} runs (one before the simulations, one after each "
-        f"run of a row): the fastest {one:.2f} it/s with 1 thread ({', '.join(f'{r:.2f}' for r in alone_rates[1])}), "
+        f"Alone, batch {workers * batch}, {len(alone_rates[1])} runs (one just before and one just after each "
+        f"simulation): the fastest {one:.2f} it/s with 1 thread ({', '.join(f'{r:.2f}' for r in alone_rates[1])}), "
         f"{every:.2f} it/s with {cores} ({', '.join(f'{r:.2f}' for r in alone_rates[cores])}). "
-        "'x near' divides by the mean of the alone runs just before and after the simulation.",
+        "'x near' divides by the mean of the alone runs just before and after the simulation, on as many threads as it "
+        "has cores.",
         "",
         f"| row | {workers}x{batch} simulated, 1 core | x fastest alone, 1 thread | x near alone, 1 thread "
         f"| simulated, {cores} cores | x fastest alone, {cores} threads | x near alone, {cores} threads "
@@ -176,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
-    parser.add_argument("--repeat", type=int, default=1, help="Runs of every row (and an alone run after each).")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="Runs of every row (each simulation between two alone runs)."
+    )
     parser.add_argument(
         "--stack",
         choices=["auto", "on", "off"],

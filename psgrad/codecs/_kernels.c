@@ -329,6 +329,17 @@ static int fits(const Py_buffer *buf, Py_ssize_t count, Py_ssize_t size, const c
     return 1;
 }
 
+/* A bucketed sign kernel's buffers: bucket >= 1, `packed` holds a bit per element, `per_bucket` a float per
+   bucket; set ValueError if not. */
+static int fits_buckets(Py_ssize_t n, Py_ssize_t bucket, const Py_buffer *packed, const Py_buffer *per_bucket,
+                        const char *what) {
+    if (bucket < 1) {
+        PyErr_SetString(PyExc_ValueError, "bucket must be >= 1");
+        return 0;
+    }
+    return fits(packed, (n + 7) / 8, 1, "packed") && fits(per_bucket, (n + bucket - 1) / bucket, 4, what);
+}
+
 #define RELEASE(...)                                                                                                   \
     do {                                                                                                               \
         Py_buffer *all_[] = {__VA_ARGS__};                                                                             \
@@ -353,9 +364,7 @@ static PyObject *negative_bits_means(PyObject *self, PyObject *args) {
     Py_ssize_t bucket;
     if (!PyArg_ParseTuple(args, "y*nw*w*", &x, &bucket, &packed, &means)) return NULL;
     Py_ssize_t n = x.len / 4;
-    if (bucket < 1)
-        PyErr_SetString(PyExc_ValueError, "bucket must be >= 1");
-    else if (fits(&packed, (n + 7) / 8, 1, "packed") && fits(&means, (n + bucket - 1) / bucket, 4, "means")) {
+    if (fits_buckets(n, bucket, &packed, &means, "means")) {
         Py_BEGIN_ALLOW_THREADS negative_bits_means_run(x.buf, n, bucket, packed.buf, means.buf);
         Py_END_ALLOW_THREADS
     }
@@ -381,9 +390,7 @@ static PyObject *add_signs_per_bucket(PyObject *self, PyObject *args) {
     Py_ssize_t bucket;
     if (!PyArg_ParseTuple(args, "y*y*nw*", &packed, &factors, &bucket, &out)) return NULL;
     Py_ssize_t n = out.len / 4;
-    if (bucket < 1)
-        PyErr_SetString(PyExc_ValueError, "bucket must be >= 1");
-    else if (fits(&packed, (n + 7) / 8, 1, "packed") && fits(&factors, (n + bucket - 1) / bucket, 4, "factors")) {
+    if (fits_buckets(n, bucket, &packed, &factors, "factors")) {
         Py_BEGIN_ALLOW_THREADS add_signs_per_bucket_run(packed.buf, n, factors.buf, bucket, out.buf);
         Py_END_ALLOW_THREADS
     }
