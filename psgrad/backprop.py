@@ -130,9 +130,10 @@ class Backprop:
         after_first_forward: Callable[[], None],
         idle: Callable[[], bool] | None = None,
     ) -> float:
-        """Training mode on and the gradients cleared, then for each of ``--accumulate`` micro-batches: forward (under
-        autocast with ``--amp``), loss x its share of the batch x the loss scale, backward. Hooks
-        may send only during the last backward (``pushing``). Returns the batch's mean loss.
+        """Training mode on and the gradients cleared (``StepStart``), then for each of
+        ``--accumulate`` micro-batches: forward (under autocast with ``--amp``), loss x its share
+        of the batch x the loss scale, backward. Hooks may send only during the last backward
+        (``pushing``). Returns the batch's mean loss.
 
         ``after_first_forward`` runs once, between the first forward and its backward (workers
         finish their pulls and post the next ones there). With a stacked compute it runs first,

@@ -12,9 +12,8 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
 2. Simulated: ``simulate`` with N workers of batch B (stacked into one model on one core by
    default, ``--stack on|off`` to choose), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
-   (``--cores 1``: the ranks run one at a time) and once with every core (on a machine of more
-   than one). The rate is rank 0's
-   median step rate after the first five steps.
+   (``--cores 1``: the ranks run one at a time) and once with every core (when there is more
+   than one). The rate is rank 0's median step rate after the first five steps.
 3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
    is CPU time: compute = N x (forward + backward) (stacked: the pass, each worker counted with
    its share and its wait for the others counted as a wait); coding = N x (encode + decode) + the server's
