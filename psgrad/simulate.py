@@ -14,9 +14,10 @@ Torch runs each rank's operations in that rank's thread and releases the GIL ins
 ranks compute in parallel on the machine's cores, at most ``--cores`` of them at a time (the
 local transport's core tokens); ``--threads`` stays the torch threads per rank.
 
-With ``stack`` (``--stack``; by default when the ranks have one core) the workers' forwards and backwards are one pass of a
-stacked model instead (``psgrad.stacked``): the thread that called ``simulate`` runs it, for the
-worker that handed in the last batch of the step, while it waits for the rank threads to end.
+With ``stack`` (``--stack``; by default when the ranks have one core) the workers' forwards and
+backwards are one pass of a stacked model instead (``psgrad.stacked``): the thread that called
+``simulate`` runs it, for the worker that handed in the last batch of the step, while it waits
+for the rank threads to end.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def simulate(
     where it measured faster). Raises the first error any rank hit."""
     size = world_size(cfg, workers)
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
-    if stack if stack is not None else world.core_count == 1:
+    if stack is None:
+        stack = world.core_count == 1
+    if stack:
         world.stacked = StackedWorkers(Meeting(world, workers))
     results: list[RunResult | None] = [None] * size
     errors: list[BaseException] = []

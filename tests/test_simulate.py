@@ -90,6 +90,16 @@ def test_a_model_that_does_not_stack_trains_one_pass_per_worker_as_without_stack
         assert torch.equal(stacked[1].params[name], value), name
 
 
+def test_by_default_only_ranks_with_one_core_stack(capfd):
+    """The stacked pass measured faster on one core only: with two, each worker computes its own
+    pass by default (ResNet-20's refusal note shows whether stacking was tried)."""
+    cfg = RunConfig(model="resnet20", batch_size=4, steps=1, progress=False, timeout=60, eval_every=0)
+    simulate(cfg, 2, cores=2)
+    assert "each worker computes on its own" not in capfd.readouterr().err
+    simulate(cfg, 2, cores=1)
+    assert "each worker computes on its own" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("topology", ["ps", "colocated", "alltoall", "ring"])
 def test_every_topology_trains_stacked_as_it_does_unstacked(topology):
     """The stacked pass gives each rank its own gradient, whatever the role around it does with it
