@@ -19,6 +19,7 @@ from torch import nn
 
 from .comm.protocol import GradientGate, Layer, layer_grad
 from .config import RunConfig
+from .models.layout import in_layout, map_tensors, memory_format
 from .models.step import StepStart
 
 if TYPE_CHECKING:  # the interface only: backprop itself needs no MPI
@@ -28,15 +29,8 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_device(batch, device: torch.device):
-    """``batch`` (a tensor, or tuples, lists and dicts of them: inputs need not be one tensor)
-    with every tensor on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
+    """``batch`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``."""
+    return map_tensors(batch, lambda tensor: tensor.to(device))
 
 
 def split_batch(batch, parts: int) -> list:
@@ -109,6 +103,7 @@ class Backprop:
         """``stacked``: the rank's ``StackedMember`` when ``psgrad simulate`` computes its workers as
         one model (``transport.stacked_member()``); it is used without micro-batches and --amp."""
         self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
+        self.layout = memory_format(cfg.memory_format, device)
         self.step_start = StepStart(model)
         self.scale = LossScale(cfg.amp == "fp16")
         self.pushing = True
@@ -145,7 +140,7 @@ class Backprop:
         if self.stacked is not None:
             after_first_forward()
             start = time.perf_counter()
-            loss = self.stacked.run(to_device(images, self.device), to_device(labels, self.device), idle)
+            loss = self.stacked.run(self.batch(images), to_device(labels, self.device), idle)
             if loss is not None:
                 self.waited = max(0.0, time.perf_counter() - start - self.stacked.share)
                 return loss
@@ -157,7 +152,7 @@ class Backprop:
         for index, (x, y) in enumerate(micro):
             self.pushing = index == len(micro) - 1
             with torch.autocast(self.device.type, dtype=amp) if amp else contextlib.nullcontext():
-                loss = self.loss_fn(self.model(to_device(x, self.device)), to_device(y, self.device))
+                loss = self.loss_fn(self.model(self.batch(x)), to_device(y, self.device))
             if index == 0:
                 after_first_forward()
             share = batch_length(y) / batch_length(labels)
@@ -165,6 +160,10 @@ class Backprop:
             total += float(loss.detach()) * share
         self.pushing = True
         return total
+
+    def batch(self, images):
+        """The model's input: ``images`` on the device, in the ``--memory-format`` layout."""
+        return in_layout(to_device(images, self.device), self.layout)
 
     def finish(self, params: dict[str, torch.Tensor]) -> None:
         """After the last backward: with ``--clip-grad-norm``, scale every gradient so that the

@@ -11,6 +11,7 @@ from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES, parse_grid
 from .data import DATASETS
 from .feedback import FEEDBACKS
 from .models import MODELS
+from .models.layout import MEMORY_FORMATS
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RunConfig:
     accumulate: int = 1  # micro-batches per batch: forward/backward on each, one gradient sent
     clip_grad_norm: float = 0.0  # clip each worker's gradient to this L2 norm before coding; 0: off
     amp: str = "off"  # mixed precision of forward/backward: off, bf16 or fp16 (with loss scaling)
+    memory_format: str = "auto"  # layout of image batches: auto (channels-last on CPU), channels-last, contiguous
     steps: int | None = None
     epochs: float = 1.0
     # system
@@ -156,6 +158,10 @@ class RunConfig:
         )
         need(self.clip_grad_norm >= 0, f"--clip-grad-norm must be >= 0 (0: off), got {self.clip_grad_norm}")
         need(self.amp in ("off", "bf16", "fp16"), f"--amp must be off, bf16 or fp16, got {self.amp!r}")
+        need(
+            self.memory_format in MEMORY_FORMATS,
+            f"--memory-format must be one of {', '.join(MEMORY_FORMATS)}, got {self.memory_format!r}",
+        )
         need(
             self.amp != "fp16" or self.on_nonfinite == "skip",
             "--amp fp16 scales the loss and lowers the scale when a gradient overflows; the overflowing step "

@@ -34,6 +34,7 @@ from .data import ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
 from .metrics import MetricsLog
 from .models import build_model
+from .models.layout import in_layout, memory_format
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,13 +61,15 @@ class _IterLoader:
         return next(self._it)
 
 
-def evaluate(model: nn.Module, batches: Iterable, loss_fn: LossFn) -> tuple[float, float]:
-    """Mean loss and accuracy of ``model`` over ``batches``."""
+def evaluate(
+    model: nn.Module, batches: Iterable, loss_fn: LossFn, layout: torch.memory_format = torch.contiguous_format
+) -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` over ``batches``, its images in ``layout``."""
     model.eval()
     total, loss_sum, correct = 0, 0.0, 0
     with torch.no_grad():
         for images, labels in batches:
-            out = model(images)
+            out = model(in_layout(images, layout))
             loss_sum += float(loss_fn(out, labels)) * len(labels)
             correct += int((out.argmax(1) == labels).sum())
             total += len(labels)
@@ -320,7 +323,8 @@ class RunContext:
                 )
             batches = eval_batches(self._test_set, self.cfg.dataset)
         start = time.perf_counter()
-        test_loss, test_acc = evaluate(model, batches, self.loss_fn)
+        device = next(model.parameters()).device
+        test_loss, test_acc = evaluate(model, batches, self.loss_fn, memory_format(self.cfg.memory_format, device))
         return {
             "epoch": round((step + 1) / self.steps_per_epoch, 4),
             "step": step,  # the last step trained, 0-based as in metrics.csv

@@ -38,6 +38,7 @@ from torch import nn
 
 from .comm.local import Meeting
 from .comm.transport import Idle
+from .models.layout import in_layout, layout_of
 from .models.step import StepStart
 
 _STACKABLE = (nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.Linear)
@@ -115,9 +116,11 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def stack_inputs(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``(B, C, ...)`` from each of N models to ``(B, N*C, ...)``: model i's channels i-th."""
+    """``(B, C, ...)`` from each of N models to ``(B, N*C, ...)``: model i's channels i-th, in the
+    first part's memory layout (channels-last images stay channels-last)."""
     first = parts[0]
-    return torch.stack(list(parts), 1).reshape(first.shape[0], len(parts) * first.shape[1], *first.shape[2:])
+    stacked = torch.stack(list(parts), 1).reshape(first.shape[0], len(parts) * first.shape[1], *first.shape[2:])
+    return in_layout(stacked, layout_of(first))
 
 
 class StackedPass:

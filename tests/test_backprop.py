@@ -135,3 +135,43 @@ def test_each_run_starts_in_training_mode_with_fresh_gradients():
     assert all(module.training for module in model.modules())
     assert not torch.equal(model[1].running_mean, means)  # BatchNorm took the batch's statistics
     torch.testing.assert_close(_grads(model), _grads(reference))
+
+
+class _Recorder(nn.Module):
+    """A small convolutional model that records whether each input it saw was channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc, self.seen = nn.Conv2d(3, 4, 3, 2, 1), nn.Linear(4, 5), []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last))
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name, channels_last", [("auto", True), ("channels-last", True), ("contiguous", False)])
+def test_memory_format_sets_the_image_layout_and_not_the_gradient(name, channels_last):
+    """auto on the CPU is channels-last; the gradient is the contiguous one up to rounding."""
+    grads = []
+    for fmt in (name, "contiguous"):
+        torch.manual_seed(0)
+        model = _Recorder()
+        backprop = Backprop(
+            RunConfig(batch_size=6, accumulate=2, memory_format=fmt), model, nn.functional.cross_entropy,
+            torch.device("cpu"),
+        )  # fmt: skip
+        torch.manual_seed(1)
+        backprop.run(torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,)), lambda: None)
+        grads.append(_grads(model))
+        if fmt == name:
+            assert model.seen == [channels_last, channels_last]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_memory_format_auto_is_contiguous_off_the_cpu_and_other_names_are_refused():
+    from psgrad.models.layout import memory_format
+
+    assert memory_format("auto", torch.device("cuda")) == torch.contiguous_format
+    assert memory_format("channels-last", torch.device("cuda")) == torch.channels_last
+    with pytest.raises(ValueError, match="--memory-format must be one of auto, channels-last, contiguous"):
+        RunConfig(memory_format="nhwc").validate()

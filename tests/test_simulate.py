@@ -47,7 +47,9 @@ def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers,
     assert done.returncode == 0, done.stderr[-3000:]
     ways = {"--no-stack": (1e-6, 1e-5, 1e-6)}
     if codec == "none":
-        ways["--stack"] = (1e-4, 0, 1e-3)
+        # grouped convolutions sum in another order; over 5 steps at lr 0.1 that rounding grew to
+        # 0.7e-3 (contiguous) and 1.2e-3 (channels-last) in conv1's weights, whose scale is ~0.1
+        ways["--stack"] = (1e-4, 0, 3e-3)
     for way, (loss_rel, model_rel, model_abs) in ways.items():
         sim = tmp_path / way
         done = run_bounded(

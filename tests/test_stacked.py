@@ -77,6 +77,10 @@ def test_the_stacked_inputs_put_each_models_channels_in_its_place():
     stacked = stack_inputs(parts)
     assert stacked.shape == (2, 3 * N, 4, 4)
     assert [stacked[:, 3 * i : 3 * i + 3].unique().item() for i in range(N)] == [0.0, 1.0, 2.0]
+    assert stacked.is_contiguous()
+    last = stack_inputs([part.contiguous(memory_format=torch.channels_last) for part in parts])
+    assert torch.equal(last, stacked) and not last.is_contiguous()
+    assert last.is_contiguous(memory_format=torch.channels_last)  # the workers' layout is kept
 
 
 def test_a_model_whose_forward_mixes_the_workers_channels_is_refused():

@@ -34,6 +34,7 @@ from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader, eval_batches, load_dataset
 from ..models import build_model
+from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
@@ -58,16 +59,20 @@ def _ring_bytes(elements: int, workers: int) -> int:
     return 0 if workers < 2 else 2 * (workers - 1) * 4 * elements
 
 
-def _rows(model, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None) -> tuple[list[dict], list[dict]]:
+def _rows(
+    cfg: RunConfig, model, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None
+) -> tuple[list[dict], list[dict]]:
     """Train ``steps`` steps at the run's schedule (``lr_at(step)``, the same as psgrad's servers
-    use); ``evaluate(step)`` (rank 0, at evaluation steps) gives eval rows."""
+    use), batches in the layout psgrad's workers use (``--memory-format``); ``evaluate(step)``
+    (rank 0, at evaluation steps) gives eval rows."""
+    layout = memory_format(cfg.memory_format, torch.device("cpu"))
     rows, evals, start = [], [], time.perf_counter()
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         t0 = time.perf_counter()
         images, labels = loader.batch(step)
-        out = model(images)
+        out = model(in_layout(images, layout))
         loss = F.cross_entropy(out, labels)
         t1 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -107,12 +112,13 @@ def _evaluator(cfg: RunConfig, model, rank: int, steps: int):
     from ..context import evaluate
 
     test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+    layout = memory_format(cfg.memory_format, torch.device("cpu"))
 
     def run(step: int) -> dict | None:
         if (step + 1) % cfg.eval_steps and step != steps - 1:
             return None
         start = time.perf_counter()
-        loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy)
+        loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy, layout)
         return {"step": step, "test_loss": loss, "test_acc": acc, "eval_seconds": time.perf_counter() - start}
 
     return run
@@ -146,7 +152,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
-        rows, _ = _rows(model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
+        rows, _ = _rows(cfg, model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
@@ -178,7 +184,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 return _ring_bytes(elements, workers)
 
         evaluate = _evaluator(cfg, model, rank, steps)
-        rows, evals = _rows(ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
+        rows, evals = _rows(cfg, ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()

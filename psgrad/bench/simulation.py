@@ -36,6 +36,7 @@ from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader, load_dataset
 from ..models import build_model
+from ..models.layout import in_layout, memory_format
 from ..simulate import simulate
 from .codecbench import cpu_name
 from .launcher import item_config
@@ -57,12 +58,13 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
     data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
     loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    layout = memory_format(cfg.memory_format, torch.device("cpu"))
     times = []
     for step in range(steps):
         start = time.perf_counter()
         images, labels = loader.batch(step)
         optimizer.zero_grad()
-        F.cross_entropy(model(images), labels).backward()
+        F.cross_entropy(model(in_layout(images, layout)), labels).backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
     return 1.0 / statistics.median(times[WARMUP:])
