@@ -273,6 +273,7 @@ def test_the_simulation_benchmark_reports_every_codec(capsys):
     main(["--workers", "2", "--batch-size", "4", "--codecs", ";".join(rows), "--steps", "7", "--model", "convnet"])
     out = capsys.readouterr().out
     assert "Alone, batch 8, 4 runs" in out  # one just before and one just after each simulation
+    assert "--memory-format auto (as above) against contiguous batches" in out  # the layouts on record
     for row in rows:
         lines = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
         assert len(lines) == 2, out  # the speed table and the breakdown

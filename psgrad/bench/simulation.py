@@ -1,8 +1,10 @@
 """How fast ``psgrad simulate`` runs N workers, against one worker training alone on the same
 total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --codecs "none;sign"``.
 
-1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9),
-   once with one torch thread (a psgrad worker's default) and once with one thread per core.
+1. Alone: one model trains on batches of N x B with plain ``torch.optim.SGD`` (momentum 0.9), its
+   images in the layout psgrad's workers use (``--memory-format``, channels-last on CPU by
+   default; two runs each way against contiguous come first, for the record), once with one
+   torch thread (a psgrad worker's default) and once with one thread per core.
    Its rate is the median step time's inverse. It runs just before and just after every
    simulation, with as many threads as the simulation has cores: "x near" divides the
    simulation by the mean of those two, "x fastest" by the fastest alone run of all. (One VM's
@@ -28,6 +30,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +123,10 @@ def report(
         alone_rates[simulation_cores] += [before, after]
         return result, (before + after) / 2
 
+    by_layout: dict[str, list[float]] = {"contiguous": [], base.memory_format: []}
+    for _ in range(2):
+        for name in by_layout:
+            by_layout[name].append(alone(replace(base, memory_format=name), workers * batch, steps, 1))
     runs: dict[str, list[dict]] = {item: [] for item in rows}
     for _ in range(repeat):
         for item, cfg in rows.items():
@@ -139,6 +146,11 @@ def report(
         f"{every:.2f} it/s with {cores} ({', '.join(f'{r:.2f}' for r in alone_rates[cores])}). "
         "'x near' divides by the mean of the alone runs just before and after the simulation, on as many threads as it "
         "has cores.",
+        "",
+        f"Alone with 1 thread and --memory-format {base.memory_format} (as above) against contiguous batches (plain "
+        f"torch's default), alternating: {', '.join(f'{r:.2f}' for r in by_layout[base.memory_format])} against "
+        f"{', '.join(f'{r:.2f}' for r in by_layout['contiguous'])} it/s, "
+        f"{statistics.median(by_layout[base.memory_format]) / statistics.median(by_layout['contiguous']):.2f}x.",
         "",
         f"| row | {workers}x{batch} simulated, 1 core | x fastest alone, 1 thread | x near alone, 1 thread "
         f"| simulated, {cores} cores | x fastest alone, {cores} threads | x near alone, {cores} threads "
