@@ -16,6 +16,11 @@ samples, each torch operation paying its fixed cost sixteen times (docs/benchmar
    optimizers, checkpoints) changes the stacked model, and the other way round.
 3. Any other layer with parameters or buffers is refused (``StackError``): it may mix workers.
 
+A stacked convolution (``StackedConv2d``) checks on every call whether the N workers' weights are
+the same (a parameter server's or alltoall's workers right after a pull). If they are, the layer
+has stride 1 and the batch is channels-last, it runs one plain convolution over the workers side
+by side instead of the grouped one (``SharedWeights``); the weight gradient stays per worker.
+
 ``StackedPass.run(inputs, labels, loss_fn)``: each model's batch goes in along the channels
 (``(B, C, ...)`` per model to ``(B, N*C, ...)``), the output comes apart the same way, each
 model's loss is its own loss function on its slice, and one backward of their sum leaves every
@@ -34,6 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .comm.local import Meeting
@@ -67,13 +73,106 @@ class StackedLinear(nn.Module):
         return out.transpose(0, 1).reshape(*lead, self.n * self.out_features)
 
 
-def _stacked_layer(layer: nn.Module, n: int) -> nn.Module:
-    """An empty layer with the room of ``n`` copies of ``layer``."""
-    if isinstance(layer, nn.Conv2d):
-        return nn.Conv2d(
+class StackedConv2d(nn.Conv2d):
+    """N ``Conv2d`` layers as one grouped convolution over the workers' channels, worker-major.
+
+    When every worker holds the same weights (a parameter server's or alltoall's workers right
+    after a pull), the layer has stride 1 and zero padding, and the input is channels-last, it
+    computes forward and input gradient as one plain convolution instead (``SharedWeights``):
+    oneDNN's grouped convolutions with 16 channels per group took twice the time of the plain
+    ones in NHWC (docs/benchmarks.md, "`psgrad simulate`")."""
+
+    def __init__(self, n: int, layer: nn.Conv2d) -> None:
+        super().__init__(
             n * layer.in_channels, n * layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
             layer.dilation, n * layer.groups, layer.bias is not None, layer.padding_mode,
         )  # fmt: skip
+        self.n = n
+        self.shares = self.stride == (1, 1) and self.padding_mode == "zeros" and not isinstance(self.padding, str)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shares and x.is_contiguous(memory_format=torch.channels_last) and self._same_weights():
+            return SharedWeights.apply(x, self.weight, self.bias, self)
+        return super().forward(x)
+
+    def _same_weights(self) -> bool:
+        return all(
+            torch.equal(per_worker[1:], per_worker[:1].expand_as(per_worker[1:]))
+            for per_worker in (t.view(self.n, -1) for t in (self.weight, self.bias) if t is not None)
+        )
+
+
+def _wide(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A channels-last ``(B, N*C, H, W)`` tensor as the ``(B, C, H, W*N)`` one it already is in
+    memory (each pixel's N workers side by side along the width), without a copy."""
+    b, channels, h, w = x.shape
+    return x.permute(0, 2, 3, 1).view(b, h, w * n, channels // n).permute(0, 3, 1, 2)
+
+
+def _stacked(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of ``_wide``."""
+    x = x.contiguous(memory_format=torch.channels_last)
+    b, channels, h, wide = x.shape
+    return x.permute(0, 2, 3, 1).view(b, h, wide // n, n * channels).permute(0, 3, 1, 2)
+
+
+class SharedWeights(torch.autograd.Function):
+    """A stride-1 stacked convolution whose N workers hold the same weights, as one plain one.
+
+    1. Forward: in channels-last memory the stacked input is ``(B, C, H, W*N)``: worker n's pixel
+       (h, w) at width w*N + n. A convolution over that width with the dilation and the padding
+       multiplied by N reads, for each output pixel, only its own worker's neighbours and its
+       zero padding: with worker 0's weights it is every worker's output, in the stacked layout.
+    2. Backward: the input gradient is that convolution's, the same way; the weight gradient
+       must stay per worker, so it is the grouped convolution's (and the bias's a sum per
+       channel)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: StackedConv2d):
+        n = layer.n
+        k = weight.shape[0] // n
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        out = _stacked(F.conv2d(_wide(x, n), weight[:k], None if bias is None else bias[:k], 1, *_widened(layer)), n)
+        # the same memory as a tensor of its own: a view returned from here may not be changed in
+        # place (AlexNet's ReLU(inplace=True) does)
+        return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        layer: StackedConv2d = ctx.layer
+        n = layer.n
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            padding, dilation, groups = _widened(layer)
+            grad_x = torch.ops.aten.convolution_backward(
+                _wide(grad, n), _wide(x, n), weight[: weight.shape[0] // n], None, [1, 1], padding, dilation,
+                False, [0, 0], groups, [True, False, False],
+            )[0]  # fmt: skip
+            grad_x = _stacked(grad_x, n)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.ops.aten.convolution_backward(
+                grad, x, weight, None, list(layer.stride), list(layer.padding), list(layer.dilation), False,
+                [0, 0], layer.groups, [False, True, False],
+            )[1]  # fmt: skip
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum((0, 2, 3))
+        return grad_x, grad_w, grad_b, None
+
+
+def _widened(layer: StackedConv2d) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """Padding, dilation and groups of one worker's convolution over the ``_wide`` layout."""
+    (ph, pw), (dh, dw) = layer.padding, layer.dilation
+    return (ph, pw * layer.n), (dh, dw * layer.n), layer.groups // layer.n
+
+
+def _stacked_layer(layer: nn.Module, n: int) -> nn.Module:
+    """An empty layer with the room of ``n`` copies of ``layer``."""
+    if isinstance(layer, nn.Conv2d):
+        return StackedConv2d(n, layer)
     if isinstance(layer, nn.Linear):
         return StackedLinear(n, layer.in_features, layer.out_features, layer.bias is not None)
     return type(layer)(n * layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)

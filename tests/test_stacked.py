@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import run_local_ranks
 from torch import nn
 
+from psgrad import stacked as stacked_module
 from psgrad.comm.local import LocalWorld, Meeting, OtherRankFailed
 from psgrad.models import build_model
 from psgrad.stacked import StackedPass, StackError, stack_inputs
@@ -37,14 +38,29 @@ def _batches(n: int = N) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ]
 
 
+@pytest.mark.parametrize("same_weights", [False, True], ids=["own-weights", "same-weights"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("name", ["wrn", "convnet", "mlp", "resnet9", "alexnet"])
-def test_every_model_gets_its_own_loss_gradient_and_batchnorm_statistics(name):
-    models = _models(name)
+def test_every_model_gets_its_own_loss_gradient_and_batchnorm_statistics(name, layout, same_weights, monkeypatch):
+    """Each way a stacked convolution computes: grouped, or (the same weights everywhere,
+    channels-last, stride 1) one plain convolution over the workers side by side."""
+    models = [copy.deepcopy(_models(name)[0]) for _ in range(N)] if same_weights else _models(name)
     alone = copy.deepcopy(models)
     images, labels = _batches()
+    images = [x.contiguous(memory_format=layout) for x in images]
     for model in [*models, *alone]:
         model.train()
+    shared = []
+    apply = stacked_module.SharedWeights.apply
+    monkeypatch.setattr(stacked_module.SharedWeights, "apply", lambda *args: shared.append(1) or apply(*args))
     losses = StackedPass(models).run(images, labels, F.cross_entropy)
+    stride_one = sum(
+        1 for m in models[0].modules() if isinstance(m, nn.Conv2d) and m.stride == (1, 1) and m.padding != "same"
+    )
+    # the check pass (eval) and the training pass each run the shared ones
+    assert len(shared) == (2 * stride_one if same_weights and layout == torch.channels_last else 0)
+    if name in ("wrn", "resnet9", "alexnet"):
+        assert stride_one > 0
     for i, model in enumerate(alone):
         loss = F.cross_entropy(model(images[i]), labels[i])
         loss.backward()
