@@ -219,6 +219,7 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     import torch
 
     from psgrad.bench.baselines import _rows
+    from psgrad.config import RunConfig
 
     class Loader:
         def batch(self, step):
@@ -227,7 +228,9 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=99.0)
     seen = []
-    rows, evals = _rows(model, Loader(), optimizer, 3, lambda: 0, lambda s: seen.append(s) or 0.01 * (s + 1))
+    rows, evals = _rows(
+        RunConfig(), model, Loader(), optimizer, 3, lambda: 0, lambda s: seen.append(s) or 0.01 * (s + 1)
+    )
     assert len(rows) == 3 and evals == [] and seen == [0, 1, 2]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03)
 
