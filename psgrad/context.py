@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from .accuracy import accuracy_note
 from .allocator import keep_freed_memory
 from .codecs import make_codec
 from .comm import wire
-from .comm.protocol import RankLayout, buffers_vector, layer_tag, plan_layers
+from .comm.protocol import RankLayout, StepStats, buffers_vector, layer_tag, plan_layers
 from .comm.transport import Transport
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset
@@ -226,6 +227,16 @@ class RunContext:
             print(f"[psgrad] {note}", file=sys.stderr)
 
     # ------------------------------------------------------------------ what roles ask for
+    def train_on_batch(self, step: int, train_step: Callable[[int, Any, Any], StepStats]) -> StepStats:
+        """``train_step`` on this worker's batch of ``step``; the seconds spent loading the batch
+        go in the stats' ``load``."""
+        start = time.perf_counter()
+        images, labels = self.loader.batch(step)  # type: ignore[union-attr]
+        loaded = time.perf_counter() - start
+        stats = train_step(step, images, labels)
+        stats.load = loaded
+        return stats
+
     def make_optimizer(self) -> LayerOptimizer | TorchLayerOptimizer:
         """The per-layer optimizer of the ranks that update: the API's ``optimizer_fn`` (any
         torch.optim.Optimizer) if given, else --optimizer sgd|adam with the run's settings."""

@@ -66,6 +66,12 @@ def tensorboard_writer(directory: Path):
 ROWS_KEPT = 2000
 
 
+def _header(path: Path) -> list[str]:
+    """The column names in a CSV file's first line (none for an empty file)."""
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
+
+
 class MetricsLog:
     """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar.
 
@@ -95,7 +101,10 @@ class MetricsLog:
             append = start_step > 0
             for name, cols in (("metrics", METRIC_COLUMNS), ("eval", EVAL_COLUMNS)):
                 path = self.dir / f"{name}.csv"
-                f = open(path, "a" if append and path.exists() else "w", newline="")
+                appending = append and path.exists()
+                # a resumed run keeps the file's own columns (an older psgrad may have written fewer)
+                cols = (_header(path) or cols) if appending else cols
+                f = open(path, "a" if appending else "w", newline="")
                 writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
                 if f.tell() == 0:
                     writer.writeheader()

@@ -70,3 +70,27 @@ def test_model_file_loads_without_psgrad(tmp_path):
     fresh = torch.nn.Linear(3, 2)
     fresh.load_state_dict(torch.load(path, weights_only=True))
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_resumed_log_appends_in_the_columns_its_metrics_file_already_has(tmp_path):
+    """A run resumed by a newer psgrad (more metrics columns) keeps the file's own header, so
+    every appended value stays under its name."""
+    import csv
+
+    from psgrad.metrics import METRIC_COLUMNS, MetricsLog
+
+    old = [c for c in METRIC_COLUMNS if c != "load"]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old)
+        writer.writeheader()
+        writer.writerow({c: 0 for c in old})
+    log = MetricsLog(str(tmp_path), 4, 1, 4, "test", progress=False)
+    log.step({"step": 1, "loss": 0.5, "load": 0.25, "it_per_s": 2.0, "bytes_up": 7, "bytes_down": 0, "wall": 1.0})
+    log.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[1]) == old
+    assert (rows[1]["step"], rows[1]["loss"], rows[1]["bytes_up"], rows[1]["wall"]) == ("1", "0.5", "7", "1.0")
+    fresh = MetricsLog(str(tmp_path / "new"), 4, 0, 4, "test", progress=False)
+    fresh.close()
+    assert "load" in (tmp_path / "new" / "metrics.csv").read_text().splitlines()[0].split(",")

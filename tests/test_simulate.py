@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -199,6 +200,30 @@ def test_a_failing_rank_ends_every_rank_with_its_own_error():
         simulate(cfg, 3, loader_fn=loader_fn)
 
 
+@pytest.mark.parametrize("topology", ["ps", "alltoall", "ring"])
+def test_the_time_spent_loading_a_batch_is_its_own_column(topology):
+    """metrics' ``load`` holds the time the loader took (before, no column had it: only it/s), and
+    no other phase counts it again."""
+    from psgrad.data import ShardLoader, load_dataset
+
+    pause = 0.3  # far above a forward of the MLP on 8 samples
+
+    class SlowLoader(ShardLoader):
+        def batch(self, step: int):
+            time.sleep(pause)
+            return super().batch(step)
+
+    def loader_fn(index: int, workers: int):
+        return SlowLoader(load_dataset("synthetic", "train"), "synthetic", index, workers, 8, 0)
+
+    cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30, topology=topology, eval_every=0)
+    rows = simulate(cfg, 3, loader_fn=loader_fn)[0].rows
+    assert len(rows) == 3
+    for row in rows:
+        assert row["load"] >= pause
+        assert row["forward"] < pause
+
+
 # ---------------------------------------------------------------------- the transport itself
 def _ranks(size: int, body, stall: float = 30.0) -> list:
     """Run ``body(transport)`` on ``size`` local ranks in threads; their results or exceptions."""
@@ -274,9 +299,12 @@ def test_the_simulation_benchmark_reports_every_codec(capsys):
     out = capsys.readouterr().out
     assert "Alone, batch 8, 4 runs" in out  # one just before and one just after each simulation
     assert "--memory-format auto (as above) against contiguous batches" in out  # the layouts on record
+    assert "| row | step | compute | coding | optimizer | loading | bookkeeping |" in out
+    assert "loading = N x loading a batch of 4 (alone, one thread:" in out  # the lone worker's own, beside it
     for row in rows:
         lines = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
         assert len(lines) == 2, out  # the speed table and the breakdown
+        assert len(lines[1].split("|")) == 9  # row, step and five phases
 
 
 def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):

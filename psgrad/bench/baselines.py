@@ -70,8 +70,9 @@ def _rows(
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        t0 = time.perf_counter()
+        loading = time.perf_counter()
         images, labels = loader.batch(step)
+        t0 = time.perf_counter()
         out = model(in_layout(images, layout))
         loss = F.cross_entropy(out, labels)
         t1 = time.perf_counter()
@@ -84,6 +85,7 @@ def _rows(
             {
                 "step": step,
                 "loss": float(loss.detach()),
+                "load": t0 - loading,
                 "forward": t1 - t0,
                 "backward": t2 - t1,
                 "apply": t3 - t2,

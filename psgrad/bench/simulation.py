@@ -19,8 +19,9 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
 3. Where the one-core simulation's step goes. Ranks run one at a time there, so each phase's time
    is CPU time: compute = N x (forward + backward) (stacked: the pass, each worker counted with
    its share and its wait for the others counted as a wait); coding = N x (encode + decode) + the server's
-   decode (and summing); optimizer = the server's apply + N x the workers' apply; the rest of the
-   step is bookkeeping (messaging, hooks, handing the core from rank to rank).
+   decode (and summing); optimizer = the server's apply + N x the workers' apply; loading = N x
+   loading a batch (the lone worker loads its own too: the report gives its time); the rest of
+   the step is bookkeeping (messaging, hooks, handing the core from rank to rank).
 The dataset is the synthetic default, so the accuracies it prints are the synthetic set's.
 """
 
@@ -52,8 +53,9 @@ _STACKING = {
 }
 
 
-def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
-    """Steps per second of one model trained alone on batches of ``total_batch``."""
+def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[float, float]:
+    """Steps per second of one model trained alone on batches of ``total_batch``, and the median
+    seconds of a step spent loading its batch."""
     torch.set_num_threads(threads)
     keep_freed_memory()
     torch.manual_seed(cfg.seed)
@@ -62,15 +64,16 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> float:
     loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     layout = memory_format(cfg.memory_format, torch.device("cpu"))
-    times = []
+    times, loading = [], []
     for step in range(steps):
         start = time.perf_counter()
         images, labels = loader.batch(step)
+        loading.append(time.perf_counter() - start)
         optimizer.zero_grad()
         F.cross_entropy(model(in_layout(images, layout)), labels).backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(times[WARMUP:])
+    return 1.0 / statistics.median(times[WARMUP:]), statistics.median(loading[WARMUP:])
 
 
 def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool | None = None) -> dict:
@@ -90,13 +93,15 @@ def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool | None = Non
     compute = ms("forward", workers) + ms("backward", workers)
     coding = ms("encode", workers) + ms("decode", workers) + server_ms("server_decode")
     optimizer = server_ms("server_apply") + ms("apply", workers)
+    load = ms("load", workers)
     step = 1000.0 / rate
     return {
         "rate": rate,
         "compute": compute,
         "coding": coding,
         "optimizer": optimizer,
-        "rest": step - compute - coding - optimizer,
+        "load": load,
+        "rest": step - compute - coding - optimizer - load,
         "loss": result.rows[-1]["loss"],
     }
 
@@ -113,20 +118,23 @@ def report(
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
+    alone_loads: list[float] = []  # seconds, one thread
 
     def bracketed(cfg: RunConfig, simulation_cores: int) -> tuple[dict, float]:
         """A simulation between two alone runs with as many threads as it has cores: its result
         and the mean of those two rates (this VM's speed drifts by a third in minutes)."""
-        before = alone(base, workers * batch, steps, simulation_cores)
+        before, load_before = alone(base, workers * batch, steps, simulation_cores)
         result = simulated(cfg, workers, simulation_cores, stack)
-        after = alone(base, workers * batch, steps, simulation_cores)
+        after, load_after = alone(base, workers * batch, steps, simulation_cores)
         alone_rates[simulation_cores] += [before, after]
+        if simulation_cores == 1:
+            alone_loads.extend([load_before, load_after])
         return result, (before + after) / 2
 
     by_layout: dict[str, list[float]] = {"contiguous": [], base.memory_format: []}
     for _ in range(2):
         for name in by_layout:
-            by_layout[name].append(alone(replace(base, memory_format=name), workers * batch, steps, 1))
+            by_layout[name].append(alone(replace(base, memory_format=name), workers * batch, steps, 1)[0])
     runs: dict[str, list[dict]] = {item: [] for item in rows}
     for _ in range(repeat):
         for item, cfg in rows.items():
@@ -159,10 +167,12 @@ def report(
     ]
     breakdown = [
         "",
-        "One-core step, ms: compute = N x (forward + backward), coding = N x (encode + decode) + server decode",
+        "One-core step, ms: compute = N x (forward + backward), coding = N x (encode + decode) + server decode, "
+        f"loading = N x loading a batch of {batch} (alone, one thread: {1000 * statistics.median(alone_loads):.0f} ms "
+        f"for its batch of {workers * batch}, of a {1000 / statistics.median(alone_rates[1]):.0f} ms step)",
         "",
-        "| row | step | compute | coding | optimizer | bookkeeping |",
-        "|---|---|---|---|---|---|",
+        "| row | step | compute | coding | optimizer | loading | bookkeeping |",
+        "|---|---|---|---|---|---|---|",
     ]
     for item, measured in runs.items():
 
@@ -177,7 +187,7 @@ def report(
             f"| {full / every:.2f}x | {near_full:.2f}x | {full / one:.2f}x | {measured[-1]['full']['loss']:.3f} |"
         )
         parts = [1000.0 / single] + [
-            median(lambda r, key=key: r["single"][key]) for key in ("compute", "coding", "optimizer", "rest")
+            median(lambda r, key=key: r["single"][key]) for key in ("compute", "coding", "optimizer", "load", "rest")
         ]
         breakdown.append(f"| {item} | " + " | ".join(f"{p:.0f}" for p in parts) + " |")
     return "\n".join(lines + breakdown)

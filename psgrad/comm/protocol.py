@@ -415,6 +415,7 @@ class StepStats:
 
     step: int = 0
     loss: float = 0.0
+    load: float = 0.0  # loading the step's batch (before the step's own time, step_time, starts)
     forward: float = 0.0
     backward: float = 0.0
     encode: float = 0.0

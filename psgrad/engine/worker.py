@@ -307,8 +307,7 @@ class Worker:
         """Train on this worker's batch of ``step`` and report the step to the metrics rank."""
         self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
         self.doing = f"step {step}: loading the batch"
-        images, labels = self.ctx.loader.batch(step)
-        stats = self.train_step(step, images, labels)
+        stats = self.ctx.train_on_batch(step, self.train_step)
         self.report(stats)
         return stats
 

@@ -227,8 +227,7 @@ class PeerRole(Role):
     # ------------------------------------------------------------------ the Role interface
     def step(self, step: int) -> list[dict]:
         self.feedback.set_epoch(step // max(1, self.ctx.steps_per_epoch))
-        images, labels = self.ctx.loader.batch(step)
-        return self.rows.row(self.train_step(step, images, labels))
+        return self.rows.row(self.ctx.train_on_batch(step, self.train_step))
 
     def evaluate(self, step: int) -> None:
         """BatchNorm statistics averaged over ranks, then rank 0 evaluates a copy (training goes on

@@ -176,8 +176,7 @@ class GossipRole(Role):
 
     # ------------------------------------------------------------------ the Role interface
     def step(self, step: int) -> list[dict]:
-        images, labels = self.ctx.loader.batch(step)
-        stats = self.train_step(step, images, labels)
+        stats = self.ctx.train_on_batch(step, self.train_step)
         every = self.cfg.consensus_every
         last = step == self.ctx.total - 1
         extra = {"consensus": self.consensus_distance()} if every and (step % every == 0 or last) else None
