@@ -254,7 +254,12 @@ RUN_OPTIONS = [
         "or in the training loop (psgrad bench does, so time to accuracy leaves evaluation out exactly).",
     ),
     ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
-    ("--progress/--no-progress", "progress", None, "Progress bar on rank 0."),
+    (
+        "--progress/--no-progress",
+        "progress",
+        None,
+        "Progress bar on rank 0: epoch, loss, it/s over the last 10 steps, MB per step.",
+    ),
     (
         "--checkpoint-every",
         "checkpoint_every",

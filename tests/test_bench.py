@@ -275,3 +275,21 @@ def test_bench_table_is_narrow_by_default_with_a_legend():
     assert "  speedup: it/s over the `none` row's" in narrow and "--wide adds" in narrow
     assert "forward" in wide.splitlines()[0] and "hidden" in wide.splitlines()[0] and "--wide adds" not in wide
     assert max(len(line) for line in narrow.splitlines()[:4]) < 110
+
+
+def test_the_progress_bar_shows_the_rate_of_the_last_steps_not_of_one():
+    """Records reach the metrics rank in bursts (16 simulated workers, async): one step's own rate
+    read 2 then 32 it/s; the bar divides the last ten steps by their wall-clock time."""
+    from psgrad import metrics
+
+    log = metrics.MetricsLog(None, 30, 0, 4, "test", progress=True)
+    walls = [0.5 * (step // 2) + 0.01 * (step % 2) for step in range(30)]  # pairs of steps 10 ms apart
+    for step, wall in enumerate(walls):
+        gap = wall - walls[step - 1] if step else 0.5
+        row = {"step": step, "loss": 1.0, "it_per_s": 1 / gap, "bytes_up": 0, "bytes_down": 0, "wall": wall}
+        log.step(row)
+    shown = log.bar.postfix
+    log.close()
+    assert "100.00 it/s" not in shown and "2.00 it/s" not in shown
+    expected = 10 / (walls[-1] - walls[-11])
+    assert f"{expected:.2f} it/s" in shown, shown
