@@ -28,6 +28,7 @@ SPECS = [
     "qsgd:levels=16",
     "qsgd:levels=4,bucket=100",
     "qsgd:levels=255,bucket=3",
+    "qsgd:levels=16,bucket=12",
     "qsgd:levels=1",
     "threshold:v=2.5",
     "threshold:v=2.5,values=fp16",

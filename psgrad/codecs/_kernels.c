@@ -279,35 +279,50 @@ static inline uint64_t levels8(const uint8_t *levels, Py_ssize_t plane, Py_ssize
     return codes;
 }
 
+/* The factors of elements first..first+7 into f[0..7]: (b, boundary) is the bucket of the last
+   element seen and where the next one starts, followed as i grows (no division per element). */
+static inline void factors8(const float *factors, Py_ssize_t bucket, Py_ssize_t first, Py_ssize_t *b,
+                            Py_ssize_t *boundary, float *f) {
+    for (int t = 0; t < 8; t++) {
+        while (first + t >= *boundary) ++*b, *boundary += bucket;
+        f[t] = factors[*b];
+    }
+}
+
 /* out[i] += (sign i ? -1 : 1) * level_i * factors[i / bucket], as qsgd.py's numpy decode_add. */
 HOT static void qsgd_decode_add_run(const uint8_t *levels, const uint8_t *signs, Py_ssize_t n, const float *factors,
                                     Py_ssize_t bucket, int width, float *out) {
-    Py_ssize_t plane = (n + 7) / 8, k = 0;
+    Py_ssize_t plane = (n + 7) / 8, k = 0, b = 0, boundary = bucket;
 #ifdef __SSE2__
-    if (bucket % 8 == 0) { /* a byte's 8 elements share a bucket: 8 at a time in vectors */
-        const __m128i none = _mm_setzero_si128();
-        for (; k < n / 8; k++) {
-            __m128i codes = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)levels8(levels, plane, k, width)), none);
-            __m128i flips = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)SPREAD[signs[k]]), none);
-            __m128 factor = _mm_set1_ps(factors[8 * k / bucket]);
-            for (int half = 0; half < 2; half++) {
-                __m128i code = half ? _mm_unpackhi_epi16(codes, none) : _mm_unpacklo_epi16(codes, none);
-                __m128i flip = half ? _mm_unpackhi_epi16(flips, none) : _mm_unpacklo_epi16(flips, none);
-                /* a set sign bit flips the float's sign bit: -level, exactly */
-                __m128 value = _mm_xor_ps(_mm_cvtepi32_ps(code), _mm_castsi128_ps(_mm_slli_epi32(flip, 31)));
-                float *o = out + 8 * k + 4 * half;
-                _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), _mm_mul_ps(value, factor)));
-            }
+    /* 8 elements at a time in vectors; their factors are one broadcast unless a bucket starts
+       among them */
+    const __m128i none = _mm_setzero_si128();
+    for (; k < n / 8; k++) {
+        __m128i codes = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)levels8(levels, plane, k, width)), none);
+        __m128i flips = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)SPREAD[signs[k]]), none);
+        __m128 factor[2];
+        if (8 * k + 8 <= boundary) {
+            factor[0] = factor[1] = _mm_set1_ps(factors[b]);
+        } else {
+            float f[8];
+            factors8(factors, bucket, 8 * k, &b, &boundary, f);
+            factor[0] = _mm_loadu_ps(f), factor[1] = _mm_loadu_ps(f + 4);
+        }
+        for (int half = 0; half < 2; half++) {
+            __m128i code = half ? _mm_unpackhi_epi16(codes, none) : _mm_unpacklo_epi16(codes, none);
+            __m128i flip = half ? _mm_unpackhi_epi16(flips, none) : _mm_unpacklo_epi16(flips, none);
+            /* a set sign bit flips the float's sign bit: -level, exactly */
+            __m128 value = _mm_xor_ps(_mm_cvtepi32_ps(code), _mm_castsi128_ps(_mm_slli_epi32(flip, 31)));
+            float *o = out + 8 * k + 4 * half;
+            _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), _mm_mul_ps(value, factor[half])));
         }
     }
 #endif
-    /* the bucket of element i, followed as i grows (no division per element) */
-    Py_ssize_t b = 8 * k / bucket, boundary = (b + 1) * bucket;
-    for (; k < plane; k++) { /* any bucket, and the last partial byte */
+    for (; k < plane; k++) { /* without SSE2, and the last partial byte */
         uint64_t codes = levels8(levels, plane, k, width), negative = SPREAD[signs[k]];
         for (int t = 0; t < 8 && 8 * k + t < n; t++) {
             Py_ssize_t i = 8 * k + t;
-            if (i == boundary) b++, boundary += bucket;
+            while (i >= boundary) b++, boundary += bucket;
             float value = (float)(uint32_t)((codes >> (8 * t)) & 0xFF);
             uint32_t word;
             memcpy(&word, &value, 4);
