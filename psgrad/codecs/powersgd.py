@@ -215,8 +215,14 @@ class PowerSGDCodec(Codec):
         server did not apply it (``applied`` False: a non-finite step skipped), the memory keeps
         all of M."""
         p_hat, q = state.pop("p"), reply["q"]
-        memory = state.pop("m")
-        if self.params["ef"] and applied and bool(torch.isfinite(p_hat.sum() + q.sum())):
-            memory.view(p_hat.shape[0], -1).addmm_(p_hat, q.t(), alpha=-1.0)  # no n x m temporary
+        memory = state.pop("m").view(p_hat.shape[0], -1)
+        keeps = self.params["ef"] and applied and bool(torch.isfinite(p_hat.sum() + q.sum()))
         state["q"] = q.clone()
-        return self.gradient({FIRST_ROUND: {"p": p_hat}, LAST_ROUND: reply}) if gradient else None
+        if not gradient:
+            if keeps:
+                memory.addmm_(p_hat, q.t(), alpha=-1.0)  # no n x m temporary
+            return None
+        approximation = self.gradient({FIRST_ROUND: {"p": p_hat}, LAST_ROUND: reply}).view_as(memory)
+        if keeps:
+            memory.sub_(approximation)  # the memory gives up what is applied: P_hat Q^T, formed once
+        return approximation.reshape(-1)
