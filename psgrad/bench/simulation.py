@@ -30,18 +30,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader, load_dataset
 from ..models import build_model
-from ..models.layout import in_layout, memory_format
 from ..simulate import simulate
+from .baselines import _rows
 from .codecbench import cpu_name
 from .launcher import item_config
 
@@ -63,17 +61,10 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
     loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    layout = memory_format(cfg.memory_format, torch.device("cpu"))
-    times, loading = [], []
-    for step in range(steps):
-        start = time.perf_counter()
-        images, labels = loader.batch(step)
-        loading.append(time.perf_counter() - start)
-        optimizer.zero_grad()
-        F.cross_entropy(model(in_layout(images, layout)), labels).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(times[WARMUP:]), statistics.median(loading[WARMUP:])
+    rows, _ = _rows(cfg, model, loader, optimizer, steps, lambda: 0, lambda step: cfg.lr)
+    timed = rows[WARMUP:]
+    rate = 1.0 / statistics.median(row["load"] + row["step_time"] for row in timed)
+    return rate, statistics.median(row["load"] for row in timed)
 
 
 def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool | None = None) -> dict:
