@@ -156,7 +156,8 @@ def codecs(
 
 def _train(role: str | None, options: dict) -> None:
     from .comm.protocol import RankLayout, grid_places
-    from .comm.transport import world_rank, world_size
+    from .comm.sentinel import hold_goodbyes
+    from .comm.transport import finalize, world_rank, world_size
     from .train import run
 
     cfg = config_from(with_config(options, options.pop("config_path", None)))
@@ -181,7 +182,9 @@ def _train(role: str | None, options: dict) -> None:
             raise click.UsageError(
                 f"'psgrad {role}' started on rank {world_rank()}, which is a {actual} rank with --servers {cfg.servers} (servers are ranks 0..{cfg.servers - 1})"
             )
+    hold_goodbyes()  # this process ends with the job: a rank dying in MPI_Finalize is named too
     run(cfg)
+    finalize()
 
 
 def _require_data(cfg) -> None:

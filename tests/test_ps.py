@@ -256,6 +256,16 @@ def test_failing_worker_ends_the_job_naming_it(how, topology, worker, rank):
 
 
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
+def test_a_rank_killed_on_its_way_out_is_named(topology, worker, rank):
+    """As under ``psgrad train``, a rank killed after its training ended, while the others finalize
+    MPI, is named by its sentinel (its goodbye waits for MPI_Finalize)."""
+    proc = run_script("fault.py", "exit", topology, worker, timeout=120)
+    assert proc.returncode != 0
+    named = re.findall(r"\[psgrad sentinel\] rank (\d+) \(.*\) died after its training ended", proc.stderr)
+    assert named == [str(rank)], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):
     start = time.monotonic()

@@ -327,6 +327,9 @@ def _target_note(m: dict, target: float | None) -> str:
 
 def _child(job_path: str) -> None:
     """Entry of one launcher job: ``mpiexec -n N python -m psgrad.bench JOB.json``."""
+    from ..comm.sentinel import hold_goodbyes
+
+    hold_goodbyes()  # the process ends with the job (finalize_and_exit): a rank dying on the way out is named too
     job = json.loads(Path(job_path).read_text())
     cfg = RunConfig.from_json(json.dumps(job["config"]))
     m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])

@@ -11,6 +11,12 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
    The ranks the launcher killed afterwards find the claim taken and stay silent.
 4. A rank that aborts the job deliberately (psgrad's own error or watchdog verdict) claims the
    file itself before aborting, so the ranks the abort takes down stay silent too.
+5. In a process that ends with its job (``psgrad train``, a ``psgrad bench`` job:
+   ``hold_goodbyes()``), the goodbye at the end of training is only ``done``; ``bye`` follows
+   from ``farewell()``, right after MPI_Finalize. A rank that dies in between (in the final
+   barrier, MPI_Finalize or the interpreter's teardown) is named too, as having died after its
+   training ended. A process that goes on after ``train.run`` (a script, the test suite) says
+   ``bye`` at once: its sentinel must not outlive the job.
 
 The claim file lives in the log dir when there is one (shared between nodes on most clusters),
 else in the node's temp dir (then each node may name its own first).
@@ -20,6 +26,7 @@ The sentinel runs this file as a script (stdlib only: no torch, ~10 MB, ~20 ms t
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -30,6 +37,7 @@ from pathlib import Path
 
 _BYE = b"bye\n"
 _ABORT = b"abort\n"
+_DONE = b"done\n"
 _TIDY_AFTER = 10.0  # seconds: the other ranks' sentinels check the claim within milliseconds
 
 
@@ -46,6 +54,25 @@ def claim(path: str | Path, text: str) -> bool:
     return True
 
 
+_held: list[Sentinel] = []  # sentinels told "done", waiting for farewell()
+_holding = False
+
+
+def hold_goodbyes() -> None:
+    """This process ends when its job does: from now on a rank's goodbye waits for ``farewell()``
+    (which also runs at interpreter exit, for a process that leaves without calling it)."""
+    global _holding
+    if not _holding:
+        _holding = True
+        atexit.register(farewell)
+
+
+def farewell() -> None:
+    """The process is about to leave, its MPI finalized: every held sentinel hears ``bye``."""
+    while _held:
+        _held.pop()._tell(_BYE)
+
+
 class Sentinel:
     """The rank's side: start the process, then ``bye()`` on a clean end or ``claim()`` before a
     deliberate abort."""
@@ -60,16 +87,21 @@ class Sentinel:
             close_fds=True,
         )
 
-    def _tell(self, word: bytes) -> None:
+    def _tell(self, word: bytes, last: bool = True) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.write(word)
-                self.proc.stdin.close()
+                self.proc.stdin.close() if last else self.proc.stdin.flush()
             except OSError:
                 pass
 
     def bye(self) -> None:
-        self._tell(_BYE)
+        """The rank's work ended cleanly (see the module docstring for a held goodbye)."""
+        if _holding:
+            self._tell(_DONE, last=False)
+            _held.append(self)
+        else:
+            self._tell(_BYE)
 
     def claim(self, reason: str) -> None:
         """This rank ends the job on purpose: take the claim so no sentinel blames its victims
@@ -79,15 +111,20 @@ class Sentinel:
 
 
 def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
-    data = sys.stdin.buffer.read()  # blocks until the rank closes the pipe, by a word or by dying
-    if data == _BYE:
+    words = sys.stdin.buffer.read().splitlines(keepends=True)  # until the rank closes the pipe, or dies
+    if words[-1:] == [_BYE]:
         return
-    if data != _ABORT:
+    if _ABORT not in words:
         now = datetime.datetime.now().strftime("%H:%M:%S.%f")
         if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):
             return
+        when = (
+            "after its training ended (in the final barrier, MPI_Finalize or the interpreter's exit)"
+            if _DONE in words
+            else "without a word"
+        )
         print(
-            f"[psgrad sentinel] rank {rank} ({role}, pid {pid} on {socket.gethostname()}) died without a word at "
+            f"[psgrad sentinel] rank {rank} ({role}, pid {pid} on {socket.gethostname()}) died {when} at "
             f"{now}: killed, crashed or out of memory. It died first; mpiexec ended the other ranks after it "
             "(its own message may name another PID).",
             file=sys.stderr,

@@ -19,6 +19,8 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
+from .sentinel import farewell
+
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
 _MIN_SLEEP = 50e-6
 _MAX_SLEEP = 1e-3
@@ -382,6 +384,13 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+def finalize() -> None:
+    """Finalize MPI, then let this process's sentinels hear their goodbye (``sentinel.farewell``):
+    a rank that dies before that, in MPI_Finalize, is named by its sentinel."""
+    MPI.Finalize()
+    farewell()
+
+
 def finalize_and_exit(code: int = 0) -> None:
     """Finalize MPI, flush, and leave the process without running interpreter teardown.
 
@@ -391,7 +400,7 @@ def finalize_and_exit(code: int = 0) -> None:
     was seen to take a slower rank down with it (exit status 0, its result never written).
     """
     MPI.COMM_WORLD.Barrier()
-    MPI.Finalize()
+    finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,7 +1,8 @@
 """Under mpiexec: one worker fails at step 3, by exception, SIGKILL, SIGSTOP, or by waiting
-forever for a message nobody sends (hang: every rank ends up waiting).
+forever for a message nobody sends (hang: every rank ends up waiting); or (exit) it is SIGKILLed
+after training, on its way out, in a process that ends with its job as ``psgrad train``'s does.
 
-Arguments: how (raise, kill, stop, hang), topology (ps, colocated), the failing worker's index (default
+Arguments: how (raise, kill, stop, hang, exit), topology (ps, colocated), the failing worker's index (default
 1: rank 2 with ps on 3 ranks, rank 1 with colocated), mode (sync, async). The watchdog's timeout
 is 5 s, so a stopped rank must be named within seconds."""
 
@@ -9,7 +10,8 @@ import os
 import signal
 import sys
 
-from psgrad.comm.transport import Transport
+from psgrad.comm.sentinel import hold_goodbyes
+from psgrad.comm.transport import Transport, finalize
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.train import run
@@ -30,7 +32,7 @@ class FaultyLoader:
         self.worker = worker
 
     def batch(self, step):
-        if self.worker == failing and step == 3:
+        if self.worker == failing and step == 3 and how != "exit":
             if how in SIGNALS:
                 os.kill(os.getpid(), SIGNALS[how])
             if how == "hang":
@@ -39,7 +41,11 @@ class FaultyLoader:
         return self.inner.batch(step)
 
 
-run(
-    RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5),
-    loader_fn=FaultyLoader,
-)
+if how == "exit":
+    hold_goodbyes()
+cfg = RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5)
+run(cfg, loader_fn=FaultyLoader)
+if how == "exit":
+    if Transport().rank == failing + (1 if topology == "ps" else 0):
+        os.kill(os.getpid(), signal.SIGKILL)
+    finalize()

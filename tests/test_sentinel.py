@@ -1,0 +1,58 @@
+"""The sentinel's words (comm/sentinel.py), without MPI: the rank's side is this test process."""
+
+import time
+
+import pytest
+
+from psgrad.comm import sentinel
+
+
+def _died_line(capfd, proc, seconds: float = 10.0) -> str:
+    """What the sentinel printed once it claimed a death (it then sleeps before tidying: ended here)."""
+    deadline, seen = time.monotonic() + seconds, ""
+    while "[psgrad sentinel]" not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen += capfd.readouterr().err
+    proc.kill()
+    proc.wait()
+    return seen
+
+
+@pytest.fixture
+def holding(monkeypatch):
+    """Goodbyes held as in a process that ends with its job, without registering at-exit work here."""
+    monkeypatch.setattr(sentinel, "_holding", True)
+    monkeypatch.setattr(sentinel, "_held", [])
+
+
+def test_a_held_goodbye_names_a_rank_that_dies_before_its_farewell(tmp_path, capfd, holding):
+    watcher = sentinel.Sentinel(tmp_path / "claim", 2, "worker")
+    watcher.bye()
+    assert watcher.proc.poll() is None, "a held goodbye keeps the pipe open"
+    watcher.proc.stdin.close()  # the rank dies: the kernel closes its end of the pipe
+    line = _died_line(capfd, watcher.proc)
+    assert "[psgrad sentinel] rank 2 (worker, pid" in line and "died after its training ended" in line, line
+    assert (tmp_path / "claim").exists()
+
+
+def test_a_held_goodbye_ends_silently_at_the_farewell(tmp_path, capfd, holding):
+    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
+    watcher.bye()
+    sentinel.farewell()
+    assert watcher.proc.wait(timeout=10) == 0
+    assert sentinel._held == []
+    assert "[psgrad sentinel]" not in capfd.readouterr().err and not (tmp_path / "claim").exists()
+
+
+def test_a_goodbye_not_held_ends_the_sentinel_at_once(tmp_path, capfd):
+    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
+    watcher.bye()
+    assert watcher.proc.wait(timeout=10) == 0
+    assert "[psgrad sentinel]" not in capfd.readouterr().err and not (tmp_path / "claim").exists()
+
+
+def test_a_rank_that_dies_without_a_word_is_named_so(tmp_path, capfd):
+    watcher = sentinel.Sentinel(tmp_path / "claim", 3, "server")
+    watcher.proc.stdin.close()
+    line = _died_line(capfd, watcher.proc)
+    assert "[psgrad sentinel] rank 3 (server, pid" in line and "died without a word" in line, line
