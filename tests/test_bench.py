@@ -218,7 +218,7 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     """DDP rows must train at the schedule psgrad's servers use, or time to accuracy compares apples with pears."""
     import torch
 
-    from psgrad.bench.baselines import _rows
+    from psgrad.bench.baselines import train_rows
     from psgrad.config import RunConfig
 
     class Loader:
@@ -228,7 +228,7 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=99.0)
     seen = []
-    rows, evals = _rows(
+    rows, evals = train_rows(
         RunConfig(), model, Loader(), optimizer, 3, lambda: 0, lambda s: seen.append(s) or 0.01 * (s + 1)
     )
     assert len(rows) == 3 and evals == [] and seen == [0, 1, 2]

@@ -59,7 +59,7 @@ def _ring_bytes(elements: int, workers: int) -> int:
     return 0 if workers < 2 else 2 * (workers - 1) * 4 * elements
 
 
-def _rows(
+def train_rows(
     cfg: RunConfig, model, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None
 ) -> tuple[list[dict], list[dict]]:
     """Train ``steps`` steps at the run's schedule (``lr_at(step)``, the same as psgrad's servers
@@ -154,7 +154,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
-        rows, _ = _rows(cfg, model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
+        rows, _ = train_rows(cfg, model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
@@ -186,7 +186,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 return _ring_bytes(elements, workers)
 
         evaluate = _evaluator(cfg, model, rank, steps)
-        rows, evals = _rows(cfg, ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
+        rows, evals = train_rows(cfg, ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()

@@ -39,7 +39,7 @@ from ..config import RunConfig
 from ..data import ShardLoader, load_dataset
 from ..models import build_model
 from ..simulate import simulate
-from .baselines import _rows
+from .baselines import train_rows
 from .codecbench import cpu_name
 from .launcher import item_config
 
@@ -61,7 +61,7 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
     loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    rows, _ = _rows(cfg, model, loader, optimizer, steps, lambda: 0, lambda step: cfg.lr)
+    rows, _ = train_rows(cfg, model, loader, optimizer, steps, lambda: 0, lambda step: cfg.lr)
     timed = rows[WARMUP:]
     rate = 1.0 / statistics.median(row["load"] + row["step_time"] for row in timed)
     return rate, statistics.median(row["load"] for row in timed)
