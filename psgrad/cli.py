@@ -156,7 +156,7 @@ def codecs(
 
 def _train(role: str | None, options: dict) -> None:
     from .comm.protocol import RankLayout, grid_places
-    from .comm.sentinel import hold_goodbyes
+    from .comm.sentinel import goodbyes_held, hold_goodbyes
     from .comm.transport import finalize, world_rank, world_size
     from .train import run
 
@@ -184,7 +184,8 @@ def _train(role: str | None, options: dict) -> None:
             )
     hold_goodbyes()  # this process ends with the job: a rank dying in MPI_Finalize is named too
     run(cfg)
-    finalize()
+    if goodbyes_held():  # a sentinel waits (a job of more than one rank): MPI_Finalize, then goodbye
+        finalize()
 
 
 def _require_data(cfg) -> None:

@@ -37,14 +37,17 @@ def test_a_held_goodbye_names_a_rank_that_dies_before_its_farewell(tmp_path, cap
 
 def test_a_held_goodbye_ends_silently_at_the_farewell(tmp_path, capfd, holding):
     watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
+    assert not sentinel.goodbyes_held()
     watcher.bye()
+    assert sentinel.goodbyes_held()
     sentinel.farewell()
     assert watcher.proc.wait(timeout=10) == 0
-    assert sentinel._held == []
+    assert not sentinel.goodbyes_held()
     assert "[psgrad sentinel]" not in capfd.readouterr().err and not (tmp_path / "claim").exists()
 
 
-def test_a_goodbye_not_held_ends_the_sentinel_at_once(tmp_path, capfd):
+def test_a_goodbye_not_held_ends_the_sentinel_at_once(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(sentinel, "_holding", False)  # as in a script that goes on after train.run
     watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
     watcher.bye()
     assert watcher.proc.wait(timeout=10) == 0

@@ -67,6 +67,11 @@ def hold_goodbyes() -> None:
         atexit.register(farewell)
 
 
+def goodbyes_held() -> bool:
+    """Whether a sentinel of this process waits for ``farewell()``."""
+    return bool(_held)
+
+
 def farewell() -> None:
     """The process is about to leave, its MPI finalized: every held sentinel hears ``bye``."""
     while _held:
