@@ -77,3 +77,15 @@ def run_local_ranks(world, body) -> list:
         thread.join(60)
         assert not thread.is_alive(), "a local rank hangs"
     return out
+
+
+@pytest.fixture(autouse=True)
+def mpi_stays_initialized(request):
+    """A test that finalizes MPI in the test process (say, through the CLI's end of a job) ends the
+    run here, by name and with pytest's summary: the next test's MPI call would otherwise end the
+    process with neither."""
+    yield
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_finalized():
+        request.session.shouldstop = f"{request.node.nodeid} finalized MPI: no later test can use it"
+        pytest.fail("this test finalized MPI in the test process")

@@ -386,8 +386,9 @@ def world_rank() -> int:
 
 def finalize() -> None:
     """Finalize MPI, then let this process's sentinels hear their goodbye (``sentinel.farewell``):
-    a rank that dies before that, in MPI_Finalize, is named by its sentinel."""
-    MPI.Finalize()
+    a rank that dies before that, in MPI_Finalize, is named by its sentinel. Once is enough."""
+    if not MPI.Is_finalized():
+        MPI.Finalize()
     farewell()
 
 
