@@ -279,11 +279,12 @@ static inline uint64_t levels8(const uint8_t *levels, Py_ssize_t plane, Py_ssize
     return codes;
 }
 
-/* The factors of elements first..first+7 into f[0..7]: (b, boundary) is the bucket of the last
-   element seen and where the next one starts, followed as i grows (no division per element). */
-static inline void factors8(const float *factors, Py_ssize_t bucket, Py_ssize_t first, Py_ssize_t *b,
+/* The factors of elements first..first+count-1 (count <= 8) into f[0..count-1]: (b, boundary) is
+   the bucket of the last element seen and where the next one starts, followed as i grows (no
+   division per element). */
+static inline void factors8(const float *factors, Py_ssize_t bucket, Py_ssize_t first, int count, Py_ssize_t *b,
                             Py_ssize_t *boundary, float *f) {
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < count; t++) {
         while (first + t >= *boundary) ++*b, *boundary += bucket;
         f[t] = factors[*b];
     }
@@ -305,7 +306,7 @@ HOT static void qsgd_decode_add_run(const uint8_t *levels, const uint8_t *signs,
             factor[0] = factor[1] = _mm_set1_ps(factors[b]);
         } else {
             float f[8];
-            factors8(factors, bucket, 8 * k, &b, &boundary, f);
+            factors8(factors, bucket, 8 * k, 8, &b, &boundary, f);
             factor[0] = _mm_loadu_ps(f), factor[1] = _mm_loadu_ps(f + 4);
         }
         for (int half = 0; half < 2; half++) {
@@ -320,15 +321,16 @@ HOT static void qsgd_decode_add_run(const uint8_t *levels, const uint8_t *signs,
 #endif
     for (; k < plane; k++) { /* without SSE2, and the last partial byte */
         uint64_t codes = levels8(levels, plane, k, width), negative = SPREAD[signs[k]];
-        for (int t = 0; t < 8 && 8 * k + t < n; t++) {
-            Py_ssize_t i = 8 * k + t;
-            while (i >= boundary) b++, boundary += bucket;
+        int count = n - 8 * k < 8 ? (int)(n - 8 * k) : 8;
+        float f[8];
+        factors8(factors, bucket, 8 * k, count, &b, &boundary, f);
+        for (int t = 0; t < count; t++) {
             float value = (float)(uint32_t)((codes >> (8 * t)) & 0xFF);
             uint32_t word;
             memcpy(&word, &value, 4);
             word ^= (uint32_t)((negative >> (8 * t)) & 1) << 31;
             memcpy(&value, &word, 4);
-            out[i] += value * factors[b];
+            out[8 * k + t] += value * f[t];
         }
     }
 }
