@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from psgrad.comm.protocol import RankLayout
 from psgrad.comm.sentinel import hold_goodbyes
 from psgrad.comm.transport import Transport, finalize
 from psgrad.config import RunConfig
@@ -46,6 +47,7 @@ if how == "exit":
 cfg = RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5)
 run(cfg, loader_fn=FaultyLoader)
 if how == "exit":
-    if Transport().rank == failing + (1 if topology == "ps" else 0):
+    world = Transport()
+    if world.rank == RankLayout(world.size, cfg.servers, topology).worker_ranks[failing]:
         os.kill(os.getpid(), signal.SIGKILL)
     finalize()
