@@ -96,7 +96,10 @@ class Sentinel:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.write(word)
-                self.proc.stdin.close() if last else self.proc.stdin.flush()
+                if last:
+                    self.proc.stdin.close()
+                else:
+                    self.proc.stdin.flush()
             except OSError:
                 pass
 
