@@ -265,6 +265,16 @@ def test_a_rank_killed_on_its_way_out_is_named(topology, worker, rank):
     assert named == [str(rank)], proc.stderr[-3000:]
 
 
+def test_a_slow_rank_on_its_way_out_is_not_killed_by_the_first_to_leave(tmp_path):
+    """MPICH's hydra SIGKILLs every rank still alive when one leaves without telling it (PMI
+    finalize, which MPICH sends from a C atexit handler): ``finalize_and_exit`` must leave through
+    ``exit``, not ``os._exit``, or a job that succeeded fails by signal 9 now and then."""
+    marker = tmp_path / "left"
+    proc = run_script("slow_exit.py", str(marker), timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert marker.read_text() == "left\n"
+
+
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):

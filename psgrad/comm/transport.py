@@ -8,6 +8,7 @@ every wait here is a Test loop with an exponential sleep back-off.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -393,15 +394,26 @@ def finalize() -> None:
 
 
 def finalize_and_exit(code: int = 0) -> None:
-    """Finalize MPI, flush, and leave the process without running interpreter teardown.
+    """Finalize MPI, flush, and leave the process through the C library's ``exit``, skipping the
+    interpreter's teardown.
 
-    After a torch.distributed (gloo) job, interpreter teardown can destroy a gloo thread still
-    joinable and abort the process ("terminate called without an active exception") after all
-    the work was done; ``os._exit`` skips that teardown. The barrier first: a rank that left early
-    was seen to take a slower rank down with it (exit status 0, its result never written).
+    1. A barrier: a rank that left early was seen to take a slower rank down with it (exit status
+       0, its result never written).
+    2. ``MPI_Finalize`` and the sentinels' goodbye (``finalize``).
+    3. Python's streams are flushed.
+    4. ``exit(code)`` from the C library: it runs the C ``atexit`` handlers but not the
+       interpreter's teardown. Both halves matter:
+       - MPICH tells its process manager that the rank is done (PMI ``finalize``) in a C
+         ``atexit`` handler, not in ``MPI_Finalize``. A rank that leaves without it (``os._exit``)
+         looks to hydra as if it had crashed, and hydra SIGKILLs every rank of the job still
+         alive: a slower rank still on its way out dies by signal 9 after a job that succeeded.
+       - After a torch.distributed (gloo) job, the interpreter's teardown can destroy a gloo
+         thread still joinable and abort the process ("terminate called without an active
+         exception") after all the work was done.
     """
     MPI.COMM_WORLD.Barrier()
     finalize()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    ctypes.CDLL(None).exit(code)
+    os._exit(code)  # not reached: exit does not return
