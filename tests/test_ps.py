@@ -281,28 +281,44 @@ def test_job_where_every_rank_waits_is_ended(topology):
     assert "every rank has been waiting for over 5 s" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize(
-    "codec,extra",
-    [
-        ("none", []),
-        ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),
-        ("sign", ["feedback=ef", "down_codec=sign", "lr=0.005", "push=after"]),
-        ("powersgd:rank=2", ["down_codec=sign"]),
-    ],
-    ids=["none", "qsgd-topk-down", "sign-ef-push-after", "powersgd"],
-)
-def test_colocated_equals_separate_servers(tmp_path, codec, extra):
+COLOCATED = {  # name: codec, and the options of both runs
+    "none": ("none", []),
+    "qsgd-topk-down": ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),
+    "sign-ef-push-after": ("sign", ["feedback=ef", "down_codec=sign", "lr=0.005", "push=after"]),
+    "powersgd": ("powersgd:rank=2", ["down_codec=sign"]),
+}
+
+
+@pytest.fixture(scope="module")
+def colocated_and_separate(tmp_path_factory):
+    """Every COLOCATED case trained twice, in two mpiexec jobs (one start-up each, not four): on 2
+    servers + 3 workers (``NAME.sep.pt``) and on 3 colocated ranks (``NAME.col.pt``)."""
+    out = tmp_path_factory.mktemp("colocated")
+
+    def runs(kind: str, servers: str, *options: str) -> list[str]:
+        args: list[str] = []
+        for name, (codec, extra) in COLOCATED.items():
+            args += ["--", str(out / f"{name}.{kind}.pt"), codec, servers, *options, *extra]
+        return args
+
+    sep = run_script("save_params.py", *runs("sep", "2"), n=5, timeout=400)
+    col = run_script("save_params.py", *runs("col", "1", "topology=colocated"), n=3, timeout=400)
+    return out, sep, col
+
+
+@pytest.mark.parametrize("name", COLOCATED)
+def test_colocated_equals_separate_servers(colocated_and_separate, name):
     """3 colocated ranks == 2 server ranks + 3 worker ranks, bit for bit: the same seeds (by worker
     index, and one stream for the servers), and the servers sum in worker order whatever the arrival."""
-    sep = run_script("save_params.py", str(tmp_path / "sep.pt"), codec, "2", *extra, n=5)
-    col = run_script("save_params.py", str(tmp_path / "col.pt"), codec, "1", "topology=colocated", *extra, n=3)
-    _ok(sep, "SAVED")
-    _ok(col, "SAVED")
-    a, b = torch.load(tmp_path / "sep.pt", weights_only=True), torch.load(tmp_path / "col.pt", weights_only=True)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
-    sep_eval = torch.load(tmp_path / "sep.pt.server", weights_only=True)
-    col_eval = torch.load(tmp_path / "col.pt.server", weights_only=True)
+    out, *jobs = colocated_and_separate
+    for kind, proc in zip(("sep", "col"), jobs, strict=True):
+        _ok(proc, f"SAVED {out / f'{name}.{kind}.pt'}\n")
+    a = torch.load(out / f"{name}.sep.pt", weights_only=True)
+    b = torch.load(out / f"{name}.col.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
+    sep_eval = torch.load(out / f"{name}.sep.pt.server", weights_only=True)
+    col_eval = torch.load(out / f"{name}.col.pt.server", weights_only=True)
     assert _results(col_eval["evals"]) == _results(sep_eval["evals"]) and len(col_eval["evals"]) == 1
     # the same losses, and the colocated ranks sent fewer bytes: their own shard never crossed the network
     assert [r["loss"] for r in col_eval["rows"]] == [r["loss"] for r in sep_eval["rows"]]

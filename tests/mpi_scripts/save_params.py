@@ -1,5 +1,8 @@
 """Under mpiexec: train with the given codec/options; the first worker saves its final parameters,
-rank 0 (server 0, or the colocated rank 0) the model it evaluated and its eval rows."""
+rank 0 (server 0, or the colocated rank 0) the model it evaluated and its eval rows.
+
+Arguments: ``OUT CODEC SERVERS [KEY=VALUE ...]``, or several such runs separated by ``--``, trained
+one after another in the same job (one start-up of the ranks for all of them)."""
 
 import sys
 
@@ -8,17 +11,34 @@ import torch
 from psgrad.config import RunConfig
 from psgrad.train import run
 
-out, codec, servers, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
-options = dict(
-    model="convnet", steps=6, batch_size=8, synthetic_size=256, lr=0.05, progress=False, codec=codec, servers=servers
-)
-for item in extra:
-    key, value = item.split("=", 1)
-    options[key] = type(getattr(RunConfig(), key))(value) if getattr(RunConfig(), key) is not None else int(value)
-cfg = RunConfig(**options)
-result = run(cfg)
-if result.rank == 0:
-    torch.save({"params": result.params, "evals": result.evals, "rows": result.rows}, out + ".server")
-if result.role != "server" and result.rank == (servers if cfg.topology == "ps" else 0):
-    torch.save(result.params, out)
-    print("SAVED", flush=True)
+
+def train_and_save(out: str, codec: str, servers: str, *extra: str) -> None:
+    options = dict(
+        model="convnet",
+        steps=6,
+        batch_size=8,
+        synthetic_size=256,
+        lr=0.05,
+        progress=False,
+        codec=codec,
+        servers=int(servers),
+    )
+    for item in extra:
+        key, value = item.split("=", 1)
+        options[key] = type(getattr(RunConfig(), key))(value) if getattr(RunConfig(), key) is not None else int(value)
+    cfg = RunConfig(**options)
+    result = run(cfg)
+    if result.rank == 0:
+        torch.save({"params": result.params, "evals": result.evals, "rows": result.rows}, out + ".server")
+    if result.role != "server" and result.rank == (cfg.servers if cfg.topology == "ps" else 0):
+        torch.save(result.params, out)
+        print(f"SAVED {out}", flush=True)
+
+
+run_args: list[str] = []
+for arg in [*sys.argv[1:], "--"]:
+    if arg != "--":
+        run_args.append(arg)
+    elif run_args:
+        train_and_save(*run_args)
+        run_args = []
