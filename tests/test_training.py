@@ -192,26 +192,44 @@ def test_bad_settings_are_named():
 POWERSGD = ("codec=powersgd:rank=2", "feedback=none")  # its error memory and warm-start Q must resume
 
 
-@pytest.mark.parametrize(
-    "topology,oks,extra",
-    [
-        ("ps", 2, ()),
-        ("colocated", 3, ()),
-        ("alltoall", 3, ()),
-        ("ps", 2, POWERSGD),
-        ("colocated", 3, POWERSGD),
-        ("alltoall", 3, POWERSGD),
-        ("ring", 3, ("feedback=none",)),  # top-k gossip: the public copies must resume too
-    ],
-)
-def test_resume_equals_uninterrupted(tmp_path, topology, oks, extra):
-    proc = run_script("resume.py", str(tmp_path), f"topology={topology}", *extra, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("RESUME OK") == oks, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("MODEL OK") == 1, proc.stdout
+RESUME = {  # name: the config's options, and how many ranks train (each checks its resume)
+    "ps": ((), 2),
+    "colocated": (("topology=colocated",), 3),
+    "alltoall": (("topology=alltoall",), 3),
+    "ps-powersgd": (POWERSGD, 2),
+    "colocated-powersgd": (("topology=colocated", *POWERSGD), 3),
+    "alltoall-powersgd": (("topology=alltoall", *POWERSGD), 3),
+    "ring": (("topology=ring", "feedback=none"), 3),  # top-k gossip: the public copies must resume too
+}
+
+
+@pytest.fixture(scope="module")
+def resume_job(tmp_path_factory):
+    """Every RESUME case in one mpiexec job (resume.py runs them one after another): one start-up
+    of the ranks instead of seven."""
+    base = tmp_path_factory.mktemp("resume")
+    args = [arg for name, (options, _) in RESUME.items() for arg in ("--", str(base / name), *options)]
+    return base, run_script("resume.py", *args, timeout=900)
+
+
+@pytest.mark.parametrize("name", RESUME)
+def test_resume_equals_uninterrupted(resume_job, name):
+    base, proc = resume_job
+    run_dir = base / name
+    oks = RESUME[name][1]
+    output = proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count(f"RESUME OK {run_dir} rank") == oks, output
+    assert proc.stdout.count(f"MODEL OK {run_dir} rank") == 1, output
     for step in (4, 8):
-        assert (tmp_path / "full" / f"ckpt-step{step}" / "rank0.pt").is_file()
-    assert json.loads((tmp_path / "full" / "ckpt-step4" / "COMPLETE").read_text()) == {"step": 4, "ranks": 3}
-    assert (tmp_path / "resumed" / "ckpt-step8" / "COMPLETE").is_file()  # the resumed run's final checkpoint
+        assert (run_dir / "full" / f"ckpt-step{step}" / "rank0.pt").is_file()
+    assert json.loads((run_dir / "full" / "ckpt-step4" / "COMPLETE").read_text()) == {"step": 4, "ranks": 3}
+    assert (run_dir / "resumed" / "ckpt-step8" / "COMPLETE").is_file()  # the resumed run's final checkpoint
+
+
+def test_the_resume_job_ends_cleanly(resume_job):
+    """Each case above checks its own lines; this is the job's exit (a failure after the last case)."""
+    _, proc = resume_job
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
 
 def test_short_wrn_run_beats_chance_and_plots(tmp_path):

@@ -3,43 +3,52 @@
 The final checkpoint (step 8) is made incomplete first (its marker removed, as if the job had
 been cut off while writing it), and the resume names only the log dir: it must pick step 4.
 The first worker also checks that model.pt holds its final parameters.
-Extra arguments key=value (strings) go into the config, e.g. topology=colocated."""
+Arguments: ``BASE [KEY=VALUE ...]`` (strings that go into the config, e.g. topology=colocated), or
+several such scenarios separated by ``--``, run one after another in the same job; each prints
+``MODEL OK BASE rank R`` and ``RESUME OK BASE rank R``."""
 
 import os
 import sys
 
 import torch
 from mpi4py import MPI
+from scenarios import split_runs
 
 from psgrad.config import RunConfig
 from psgrad.train import run
 
-base, extra = sys.argv[1], dict(item.split("=", 1) for item in sys.argv[2:])
-kw = dict(
-    model="resnet20",
-    batch_size=8,
-    synthetic_size=256,
-    lr=0.05,
-    progress=False,
-    codec="topk:ratio=0.2",
-    feedback="ef",
-    eval_every=0,
-    steps=8,
-)
-kw.update(extra)
-full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every=4))
-MPI.COMM_WORLD.Barrier()
-if full.rank == 0:
-    os.remove(f"{base}/full/ckpt-step8/COMPLETE")
-MPI.COMM_WORLD.Barrier()
-resumed = run(RunConfig(**kw, log_dir=f"{base}/resumed", resume=f"{base}/full"))
-first_worker = 1 if kw.get("topology", "ps") == "ps" else 0
-if full.rank == first_worker:
-    saved = torch.load(f"{base}/full/model.pt", weights_only=True)
-    for name, p in full.params.items():
-        torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=name)
-    print(f"MODEL OK rank {full.rank}", flush=True)
-if full.role != "server":
-    for name, p in full.params.items():
-        torch.testing.assert_close(resumed.params[name], p, rtol=0, atol=0, msg=name)
-    print(f"RESUME OK rank {full.rank}", flush=True)
+
+def resume_equals_uninterrupted(base: str, *options: str) -> None:
+    extra = dict(item.split("=", 1) for item in options)
+    kw = dict(
+        model="resnet20",
+        batch_size=8,
+        synthetic_size=256,
+        lr=0.05,
+        progress=False,
+        codec="topk:ratio=0.2",
+        feedback="ef",
+        eval_every=0,
+        steps=8,
+    )
+    kw.update(extra)
+    full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every=4))
+    MPI.COMM_WORLD.Barrier()
+    if full.rank == 0:
+        os.remove(f"{base}/full/ckpt-step8/COMPLETE")
+    MPI.COMM_WORLD.Barrier()
+    resumed = run(RunConfig(**kw, log_dir=f"{base}/resumed", resume=f"{base}/full"))
+    first_worker = 1 if kw.get("topology", "ps") == "ps" else 0
+    if full.rank == first_worker:
+        saved = torch.load(f"{base}/full/model.pt", weights_only=True)
+        for name, p in full.params.items():
+            torch.testing.assert_close(saved[name], p, rtol=0, atol=0, msg=name)
+        print(f"MODEL OK {base} rank {full.rank}", flush=True)
+    if full.role != "server":
+        for name, p in full.params.items():
+            torch.testing.assert_close(resumed.params[name], p, rtol=0, atol=0, msg=name)
+        print(f"RESUME OK {base} rank {full.rank}", flush=True)
+
+
+for args in split_runs(sys.argv[1:]):
+    resume_equals_uninterrupted(*args)

@@ -7,6 +7,7 @@ one after another in the same job (one start-up of the ranks for all of them).""
 import sys
 
 import torch
+from scenarios import split_runs
 
 from psgrad.config import RunConfig
 from psgrad.train import run
@@ -35,10 +36,5 @@ def train_and_save(out: str, codec: str, servers: str, *extra: str) -> None:
         print(f"SAVED {out}", flush=True)
 
 
-run_args: list[str] = []
-for arg in [*sys.argv[1:], "--"]:
-    if arg != "--":
-        run_args.append(arg)
-    elif run_args:
-        train_and_save(*run_args)
-        run_args = []
+for args in split_runs(sys.argv[1:]):
+    train_and_save(*args)
