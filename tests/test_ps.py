@@ -109,21 +109,48 @@ def _results(evals: list[dict]) -> list[dict]:
     return [{k: v for k, v in e.items() if k not in ("eval_seconds", "paused_seconds")} for e in evals]
 
 
-@pytest.mark.parametrize("codec", ["topk:ratio=0.1", "none"])
-def test_two_servers_equal_one_server(tmp_path, codec):
-    one = run_script("save_params.py", str(tmp_path / "one.pt"), codec, "1", n=2)
-    two = run_script("save_params.py", str(tmp_path / "two.pt"), codec, "2", n=3)
-    _ok(one, "SAVED")
-    _ok(two, "SAVED")
-    a, b = torch.load(tmp_path / "one.pt", weights_only=True), torch.load(tmp_path / "two.pt", weights_only=True)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+def _save_params_jobs(out, cases: dict, jobs: dict) -> dict:
+    """Every case ``name: (codec, options)`` trained by save_params.py in every job ``kind: (ranks,
+    servers, options)``, each job one mpiexec for all the cases (one start-up of its ranks, not one
+    per case); case ``name`` of job ``kind`` is saved as ``out/NAME.KIND.pt``. Returns each job's run."""
+    done = {}
+    for kind, (ranks, servers, options) in jobs.items():
+        args: list[str] = []
+        for name, (codec, extra) in cases.items():
+            args += ["--", str(out / f"{name}.{kind}.pt"), codec, servers, *options, *extra]
+        done[kind] = run_script("save_params.py", *args, n=ranks, timeout=400)
+    return done
+
+
+def _saved(out, jobs: dict, name: str) -> dict:
+    """Case ``name``'s saved parameters by job kind, once its every job said it saved them."""
+    for kind, proc in jobs.items():
+        _ok(proc, f"SAVED {out / f'{name}.{kind}.pt'}\n")
+    return {kind: torch.load(out / f"{name}.{kind}.pt", weights_only=True) for kind in jobs}
+
+
+TWO_SERVERS = {"topk": ("topk:ratio=0.1", []), "none": ("none", [])}
+
+
+@pytest.fixture(scope="module")
+def one_and_two_servers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("servers")
+    return out, _save_params_jobs(out, TWO_SERVERS, {"one": (2, "1", []), "two": (3, "2", [])})
+
+
+@pytest.mark.parametrize("name", TWO_SERVERS)
+def test_two_servers_equal_one_server(one_and_two_servers, name):
+    out, jobs = one_and_two_servers
+    saved = _saved(out, jobs, name)
+    a, b = saved["one"], saved["two"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
     # server 0 of the two-server run gathered the other server's layers: it evaluated the full
     # model, the same one the workers hold, with the same result as the single server
-    one_srv = torch.load(tmp_path / "one.pt.server", weights_only=True)
-    two_srv = torch.load(tmp_path / "two.pt.server", weights_only=True)
-    for name in a:
-        torch.testing.assert_close(two_srv["params"][name], b[name], rtol=0, atol=0, msg=name)
+    one_srv = torch.load(out / f"{name}.one.pt.server", weights_only=True)
+    two_srv = torch.load(out / f"{name}.two.pt.server", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(two_srv["params"][key], b[key], rtol=0, atol=0, msg=key)
     assert len(two_srv["evals"]) == 1
     assert _results(two_srv["evals"]) == _results(one_srv["evals"])
 
@@ -291,30 +318,18 @@ COLOCATED = {  # name: codec, and the options of both runs
 
 @pytest.fixture(scope="module")
 def colocated_and_separate(tmp_path_factory):
-    """Every COLOCATED case trained twice, in two mpiexec jobs (one start-up each, not four): on 2
-    servers + 3 workers (``NAME.sep.pt``) and on 3 colocated ranks (``NAME.col.pt``)."""
+    """Every COLOCATED case on 2 servers + 3 workers, and on 3 colocated ranks."""
     out = tmp_path_factory.mktemp("colocated")
-
-    def runs(kind: str, servers: str, *options: str) -> list[str]:
-        args: list[str] = []
-        for name, (codec, extra) in COLOCATED.items():
-            args += ["--", str(out / f"{name}.{kind}.pt"), codec, servers, *options, *extra]
-        return args
-
-    sep = run_script("save_params.py", *runs("sep", "2"), n=5, timeout=400)
-    col = run_script("save_params.py", *runs("col", "1", "topology=colocated"), n=3, timeout=400)
-    return out, sep, col
+    return out, _save_params_jobs(out, COLOCATED, {"sep": (5, "2", []), "col": (3, "1", ["topology=colocated"])})
 
 
 @pytest.mark.parametrize("name", COLOCATED)
 def test_colocated_equals_separate_servers(colocated_and_separate, name):
     """3 colocated ranks == 2 server ranks + 3 worker ranks, bit for bit: the same seeds (by worker
     index, and one stream for the servers), and the servers sum in worker order whatever the arrival."""
-    out, *jobs = colocated_and_separate
-    for kind, proc in zip(("sep", "col"), jobs, strict=True):
-        _ok(proc, f"SAVED {out / f'{name}.{kind}.pt'}\n")
-    a = torch.load(out / f"{name}.sep.pt", weights_only=True)
-    b = torch.load(out / f"{name}.col.pt", weights_only=True)
+    out, jobs = colocated_and_separate
+    saved = _saved(out, jobs, name)
+    a, b = saved["sep"], saved["col"]
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
     sep_eval = torch.load(out / f"{name}.sep.pt.server", weights_only=True)

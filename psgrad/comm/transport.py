@@ -397,8 +397,8 @@ def finalize_and_exit(code: int = 0) -> None:
     """Finalize MPI, flush, and leave the process through the C library's ``exit``, skipping the
     interpreter's teardown.
 
-    1. A barrier: a rank that left early was seen to take a slower rank down with it (exit status
-       0, its result never written).
+    1. A barrier: every rank is done with MPI before any leaves (on a shaped run a leaving rank
+       takes its network namespace with it).
     2. ``MPI_Finalize`` and the sentinels' goodbye (``finalize``).
     3. Python's streams are flushed.
     4. ``exit(code)`` from the C library: it runs the C ``atexit`` handlers but not the
