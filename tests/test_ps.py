@@ -122,11 +122,19 @@ def _save_params_jobs(out, cases: dict, jobs: dict) -> dict:
     return done
 
 
-def _saved(out, jobs: dict, name: str) -> dict:
-    """Case ``name``'s saved parameters by job kind, once its every job said it saved them."""
+def _saved(out, jobs: dict, name: str) -> tuple[dict, dict]:
+    """Case ``name``'s saved parameters and rank 0's saved record, each by job kind, once its every
+    job said it saved them."""
     for kind, proc in jobs.items():
         _ok(proc, f"SAVED {out / f'{name}.{kind}.pt'}\n")
-    return {kind: torch.load(out / f"{name}.{kind}.pt", weights_only=True) for kind in jobs}
+    params = {kind: torch.load(out / f"{name}.{kind}.pt", weights_only=True) for kind in jobs}
+    records = {kind: torch.load(out / f"{name}.{kind}.pt.server", weights_only=True) for kind in jobs}
+    return params, records
+
+
+def _assert_bit_equal(actual: dict, expected: dict) -> None:
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0, msg=key)
 
 
 TWO_SERVERS = {"topk": ("topk:ratio=0.1", []), "none": ("none", [])}
@@ -140,17 +148,12 @@ def one_and_two_servers(tmp_path_factory):
 
 @pytest.mark.parametrize("name", TWO_SERVERS)
 def test_two_servers_equal_one_server(one_and_two_servers, name):
-    out, jobs = one_and_two_servers
-    saved = _saved(out, jobs, name)
-    a, b = saved["one"], saved["two"]
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    params, records = _saved(*one_and_two_servers, name)
+    _assert_bit_equal(params["two"], params["one"])
     # server 0 of the two-server run gathered the other server's layers: it evaluated the full
     # model, the same one the workers hold, with the same result as the single server
-    one_srv = torch.load(out / f"{name}.one.pt.server", weights_only=True)
-    two_srv = torch.load(out / f"{name}.two.pt.server", weights_only=True)
-    for key in a:
-        torch.testing.assert_close(two_srv["params"][key], b[key], rtol=0, atol=0, msg=key)
+    one_srv, two_srv = records["one"], records["two"]
+    _assert_bit_equal(two_srv["params"], params["two"])
     assert len(two_srv["evals"]) == 1
     assert _results(two_srv["evals"]) == _results(one_srv["evals"])
 
@@ -327,13 +330,9 @@ def colocated_and_separate(tmp_path_factory):
 def test_colocated_equals_separate_servers(colocated_and_separate, name):
     """3 colocated ranks == 2 server ranks + 3 worker ranks, bit for bit: the same seeds (by worker
     index, and one stream for the servers), and the servers sum in worker order whatever the arrival."""
-    out, jobs = colocated_and_separate
-    saved = _saved(out, jobs, name)
-    a, b = saved["sep"], saved["col"]
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
-    sep_eval = torch.load(out / f"{name}.sep.pt.server", weights_only=True)
-    col_eval = torch.load(out / f"{name}.col.pt.server", weights_only=True)
+    params, records = _saved(*colocated_and_separate, name)
+    _assert_bit_equal(params["col"], params["sep"])
+    sep_eval, col_eval = records["sep"], records["col"]
     assert _results(col_eval["evals"]) == _results(sep_eval["evals"]) and len(col_eval["evals"]) == 1
     # the same losses, and the colocated ranks sent fewer bytes: their own shard never crossed the network
     assert [r["loss"] for r in col_eval["rows"]] == [r["loss"] for r in sep_eval["rows"]]
