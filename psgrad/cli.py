@@ -355,7 +355,8 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option(
     "--mpiexec-args",
     default="",
-    help="Extra mpiexec arguments for every job, e.g. '--allow-run-as-root --oversubscribe' for Open MPI as root.",
+    help="Extra mpiexec arguments for every job, e.g. '-f hosts -ppn 1' (MPICH). As root under Open MPI, "
+    "'--allow-run-as-root --oversubscribe' are added unless given.",
 )
 @click.option(
     "--job-timeout",

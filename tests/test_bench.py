@@ -75,6 +75,32 @@ def test_baselines_need_the_launcher():
     assert "without mpiexec" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "banner,uid,given,expected",
+    [
+        ("mpiexec (Open MPI) 5.0.11", 0, [], ["--allow-run-as-root", "--oversubscribe"]),
+        (
+            "mpiexec (OpenRTE) 4.1.6",
+            0,
+            ["--oversubscribe", "-x", "A"],
+            ["--oversubscribe", "-x", "A", "--allow-run-as-root"],
+        ),
+        ("mpiexec (Open MPI) 5.0.11", 1000, ["-x", "A"], ["-x", "A"]),
+        ("HYDRA build details:\n    Version: 5.0.2", 0, [], []),
+    ],
+    ids=["openmpi5-root", "openmpi4-root-some-given", "openmpi-user", "mpich-root"],
+)
+def test_open_mpi_as_root_gets_its_root_flags(tmp_path, monkeypatch, banner, uid, given, expected):
+    from psgrad.bench import launcher
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(launcher.os, "geteuid", lambda: uid)
+    assert launcher.launcher_args(str(fake), given) == expected
+    assert not launcher.is_open_mpi(str(tmp_path / "missing"))
+
+
 def test_bad_bench_options():
     proc = _launcher(["--baselines", "horovod"])
     assert proc.returncode == 2 and "unknown baseline" in proc.stderr

@@ -224,6 +224,28 @@ def find_mpiexec(given: str | None) -> str:
     return found
 
 
+OPENMPI_ROOT_FLAGS = ("--allow-run-as-root", "--oversubscribe")
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec --version`` names Open MPI (4: "OpenRTE", 5: "Open MPI")."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in version or "OpenRTE" in version
+
+
+def launcher_args(mpiexec: str, given: list[str]) -> list[str]:
+    """The extra mpiexec arguments of every job: ``given``, and as root under Open MPI also
+    ``--allow-run-as-root --oversubscribe`` (as launch/mpirun.sh adds them): Open MPI refuses to
+    start as root without the first, and without the second a job may not use more ranks than
+    the machine has cores, which a bench row of 1 server + 2 workers on 2 cores needs."""
+    if os.geteuid() != 0 or not is_open_mpi(mpiexec):
+        return given
+    return [*given, *(flag for flag in OPENMPI_ROOT_FLAGS if flag not in given)]
+
+
 def _run_job(cmd: list[str], env: dict[str, str], timeout: float) -> None:
     """Run one mpiexec job in its own process group; on timeout or Ctrl-C end the whole group."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -278,6 +300,7 @@ def orchestrate(
 
     if bandwidth:
         check_available(mpiexec)
+    mpiexec_args = launcher_args(mpiexec, mpiexec_args)
     most = max(ranks_for(item, cfg, workers) for item in items)
     results: dict[str, list[dict]] = {item: [] for item in items}
     total, done = repeat * len(items), 0
