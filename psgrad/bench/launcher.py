@@ -26,6 +26,7 @@ The figures, either way:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -227,10 +228,16 @@ def find_mpiexec(given: str | None) -> str:
 OPENMPI_ROOT_FLAGS = ("--allow-run-as-root", "--oversubscribe")
 
 
+@functools.cache
+def mpiexec_banner(mpiexec: str) -> str:
+    """What ``mpiexec --version`` prints (which MPI it belongs to); asked once per mpiexec."""
+    return subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def is_open_mpi(mpiexec: str) -> bool:
     """Whether ``mpiexec --version`` names Open MPI (4: "OpenRTE", 5: "Open MPI")."""
     try:
-        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = mpiexec_banner(mpiexec)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "Open MPI" in version or "OpenRTE" in version

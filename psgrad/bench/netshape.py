@@ -62,7 +62,9 @@ def check_available(mpiexec: str) -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ShapeError(f"--bandwidth needs the '{tool}' command (Debian/Ubuntu package iproute2)")
-    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, check=False).stdout
+    from .launcher import mpiexec_banner
+
+    version = mpiexec_banner(mpiexec)
     if "HYDRA" not in version and "MPICH" not in version:
         raise ShapeError(
             f"--bandwidth supports MPICH's mpiexec (hydra) only; {mpiexec} is not MPICH "
