@@ -52,6 +52,12 @@ def test_none_codec_through_server_equals_averaged_sgd(reference_job, name):
     assert f"REFERENCE OK {name}\n" in out, f"rc={reference_job.returncode}\n{out}\n{reference_job.stderr[-4000:]}"
 
 
+def test_the_reference_job_ends_cleanly(reference_job):
+    """Each scenario above checks its own line; this is the job's exit (reference.py exits 1 if any
+    scenario failed, and a failure after the last scenario shows only here)."""
+    assert reference_job.returncode == 0, reference_job.stdout + reference_job.stderr[-4000:]
+
+
 def test_every_codec_trains_with_and_without_error_feedback():
     specs = [
         "none",
