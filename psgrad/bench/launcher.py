@@ -26,7 +26,6 @@ The figures, either way:
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -46,6 +45,7 @@ from ..comm.protocol import LAYOUTS, TIME_KEYS, RankLayout
 from ..config import RunConfig
 from ..options import option_overrides
 from .baselines import BASELINES
+from .netshape import mpiexec_banner
 
 BREAKDOWN = TIME_KEYS
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -226,12 +226,6 @@ def find_mpiexec(given: str | None) -> str:
 
 
 OPENMPI_ROOT_FLAGS = ("--allow-run-as-root", "--oversubscribe")
-
-
-@functools.cache
-def mpiexec_banner(mpiexec: str) -> str:
-    """What ``mpiexec --version`` prints (which MPI it belongs to); asked once per mpiexec."""
-    return subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def is_open_mpi(mpiexec: str) -> bool:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -50,6 +51,12 @@ def address(rank: int) -> str:
     return f"{SUBNET}.{rank + 1}"
 
 
+@functools.cache
+def mpiexec_banner(mpiexec: str) -> str:
+    """What ``mpiexec --version`` prints (which MPI it belongs to); asked once per mpiexec."""
+    return subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def check_available(mpiexec: str) -> None:
     """Raise ShapeError saying exactly what is missing for shaped runs."""
     if sys.platform != "linux":
@@ -62,8 +69,6 @@ def check_available(mpiexec: str) -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ShapeError(f"--bandwidth needs the '{tool}' command (Debian/Ubuntu package iproute2)")
-    from .launcher import mpiexec_banner
-
     version = mpiexec_banner(mpiexec)
     if "HYDRA" not in version and "MPICH" not in version:
         raise ShapeError(
