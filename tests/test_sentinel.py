@@ -1,5 +1,7 @@
 """The sentinel's words (comm/sentinel.py), without MPI: the rank's side is this test process."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,3 +61,24 @@ def test_a_rank_that_dies_without_a_word_is_named_so(tmp_path, capfd):
     watcher.proc.stdin.close()
     line = _died_line(capfd, watcher.proc)
     assert "[psgrad sentinel] rank 3 (server, pid" in line and "died without a word" in line, line
+
+
+def test_a_sentinel_lets_go_of_the_jobs_output_before_it_tidies(tmp_path):
+    """mpiexec waits for every holder of the job's stderr to close it: a sentinel that kept it
+    through its tidying pause made every job with a dead rank end that many seconds late."""
+    claim_path = tmp_path / "claim"
+    proc = subprocess.Popen(
+        [sys.executable, "-I", sentinel.__file__, str(claim_path), "2", "worker", "1234"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdin.close()  # the rank dies without a word
+        said = proc.stderr.read()  # until the sentinel lets go of it
+        assert b"[psgrad sentinel] rank 2 (worker, pid 1234" in said, said
+        assert proc.stdout.read() == b""
+        assert claim_path.exists() and proc.poll() is None, "the output was held until the claim was tidied"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -138,6 +138,11 @@ def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+    # mpiexec ends only when every process holding the job's output has closed it: tidy up
+    # without it, or a job would outlive its dead rank by _TIDY_AFTER seconds
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, sys.stderr.fileno())
     time.sleep(_TIDY_AFTER)
     try:
         os.unlink(claim_path)
