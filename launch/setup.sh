@@ -14,14 +14,32 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU box.
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+# (found, not imported: importing torch takes seconds; the last line below imports it anyway)
+if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"; then
   echo "[setup] installing torch ${PSGRAD_TORCH:-2.13.0}"
   "${PIP[@]}" "torch==${PSGRAD_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 EXTRAS="plot"
 [ "${PSGRAD_SYSTEM_MPI:-0}" = "1" ] || EXTRAS="$EXTRAS,mpich"
 [ "${1:-}" = "test" ] && EXTRAS="$EXTRAS,test"
-echo "[setup] installing psgrad[$EXTRAS]"
-"${PIP[@]}" -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-"$VENV/bin/python" -c "import psgrad, mpi4py.MPI" || { echo "[setup] psgrad or mpi4py failed to import"; exit 1; }
-echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, mpi4py.MPI as M; from psgrad.codecs import kernels_name; print("torch", torch.__version__, "|", M.Get_library_version().splitlines()[0], "|", kernels_name(), "codec kernels")'))"
+# What the install depends on (the built kernels included); when that is unchanged since the
+# last install here with these extras or more, pip is skipped (~10 s).
+STAMP="$VENV/.psgrad-installed"
+installed_from() {
+  echo "$(pwd) $(cat setup.cfg setup.py pyproject.toml psgrad/codecs/_kernels.c | sha256sum | cut -c1-16)" \
+    "$(cd psgrad/codecs && ls _kernels*.so 2>/dev/null | tr '\n' ' ')"
+}
+up_to_date() {
+  [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$(installed_from)" ] || return 1
+  local extra
+  for extra in ${EXTRAS//,/ }; do grep -qx "$extra" <(tail -n +2 "$STAMP") || return 1; done
+}
+if ! up_to_date; then
+  echo "[setup] installing psgrad[$EXTRAS]"
+  rm -f "$STAMP"
+  "${PIP[@]}" -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+fi
+READY="$("$VENV/bin/python" -c 'import torch, mpi4py.MPI as M; from psgrad.codecs import kernels_name; print("torch", torch.__version__, "|", M.Get_library_version().splitlines()[0], "|", kernels_name(), "codec kernels")')" \
+  || { rm -f "$STAMP"; echo "[setup] psgrad, torch or mpi4py failed to import"; exit 1; }
+[ -f "$STAMP" ] || { installed_from; tr ',' '\n' <<< "$EXTRAS"; } > "$STAMP"
+echo "[setup] ready: $VENV ($READY)"

@@ -122,3 +122,33 @@ def test_workers_count_gpus_among_workers_only():
     out = run_mpi([sys.executable, "-c", probe], n=3, timeout=60)
     assert out.returncode == 0, out.stderr
     assert sorted(re.findall(r"rank (\d) index (\d)", out.stdout)) == [("0", "0"), ("1", "0"), ("2", "1")], out.stdout
+
+
+def test_setup_runs_pip_only_when_the_install_would_change(tmp_path):
+    """launch/setup.sh again is quick: pip runs on the first call and when more extras are asked
+    for, not when nothing it installs from changed (a venv whose python only logs pip calls)."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = "-m" ] && {{ echo "$*" >> "{log}"; exit 0; }}\n'
+        'case "$2" in *kernels_name*) echo "torch 0 | fake MPI | fake codec kernels"; exit 0;; esac\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    setup = Path(__file__).parent.parent / "launch" / "setup.sh"
+
+    def pip_calls(*args: str) -> list[str]:
+        log.write_text("")
+        done = run_bounded(["bash", str(setup), *args], 60, {"PSGRAD_VENV": str(venv)})
+        assert done.returncode == 0 and "[setup] ready" in done.stdout, done.stdout + done.stderr
+        return log.read_text().splitlines()
+
+    first = pip_calls()
+    assert len(first) == 1 and first[0].endswith("-e .[plot,mpich]"), first
+    assert pip_calls() == []
+    assert pip_calls("test")[0].endswith("-e .[plot,mpich,test]")
+    assert pip_calls() == [] and pip_calls("test") == []
+    (venv / ".psgrad-installed").write_text("/elsewhere 0\nplot\nmpich\ntest\n")  # another checkout's
+    assert len(pip_calls()) == 1
