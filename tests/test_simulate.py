@@ -14,8 +14,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import run_bounded, run_local_ranks, run_mpi
+from click.testing import CliRunner
+from conftest import run_bounded, run_local_ranks, run_script
 
+from psgrad.cli import main
 from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
 from psgrad.comm.transport import PeerFailure
 from psgrad.config import RunConfig
@@ -29,23 +31,37 @@ def _metrics(log_dir) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize(
-    "topology, workers, codec",
-    [
-        ("ps", 2, "none"),
-        ("alltoall", 3, "none"),
-        ("ps", 2, "qsgd:levels=16"),
-        ("ring", 3, "sign"),
-        ("colocated", 3, "powersgd:rank=2"),
-    ],
-)
-def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers, codec):
+FOLLOWS = {  # name: topology, workers, codec; every case takes 3 ranks under MPI
+    "ps-none": ("ps", 2, "none"),
+    "alltoall-none": ("alltoall", 3, "none"),
+    "ps-qsgd": ("ps", 2, "qsgd:levels=16"),
+    "ring-sign": ("ring", 3, "sign"),
+    "colocated-powersgd": ("colocated", 3, "powersgd:rank=2"),
+}
+
+
+def _follow_options(name: str) -> list[str]:
+    topology, _, codec = FOLLOWS[name]
+    return [*SMALL, "--steps", "5", "--topology", topology, "--codec", codec, "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def mpi_runs(tmp_path_factory):
+    """Every FOLLOWS case as ``psgrad train`` on 3 ranks, in one mpiexec job (start-up paid once):
+    the job's result and the folder of the cases' log dirs."""
+    root = tmp_path_factory.mktemp("mpi")
+    args = [arg for name in FOLLOWS for arg in [*_follow_options(name), "--log-dir", str(root / name), "--"]]
+    return run_script("train_runs.py", *args, timeout=400), root
+
+
+@pytest.mark.parametrize("name", FOLLOWS)
+def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, mpi_runs, name):
     """With --no-stack to the bit (up to the order of sums); stacked (the default) to rounding, for
     the dense runs (a sign or a quantization level may flip on a rounding difference)."""
-    options = [*SMALL, "--steps", "5", "--topology", topology, "--codec", codec, "--no-progress"]
-    mpi = tmp_path / "mpi"
-    done = run_mpi([sys.executable, "-m", "psgrad", "train", *options, "--log-dir", str(mpi)], n=3)
-    assert done.returncode == 0, done.stderr[-3000:]
+    job, root = mpi_runs
+    assert job.returncode == 0, job.stderr[-3000:]
+    mpi = root / name
+    _, workers, codec = FOLLOWS[name]
     ways = {"--no-stack": (1e-6, 1e-5, 1e-6)}
     if codec == "none":
         # grouped convolutions sum in another order; over 5 steps at lr 0.1 that rounding grew to
@@ -53,22 +69,9 @@ def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers,
         ways["--stack"] = (1e-4, 0, 3e-3)
     for way, (loss_rel, model_rel, model_abs) in ways.items():
         sim = tmp_path / way
-        done = run_bounded(
-            [
-                sys.executable,
-                "-m",
-                "psgrad",
-                "simulate",
-                "--workers",
-                str(workers),
-                way,
-                *options,
-                "--log-dir",
-                str(sim),
-            ],
-            240,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        options = ["simulate", "--workers", str(workers), way, *_follow_options(name), "--log-dir", str(sim)]
+        done = CliRunner().invoke(main, options)  # in this process, which has torch imported already
+        assert done.exit_code == 0, done.output[-3000:]
         assert "computes on its own" not in done.stderr  # the WRN stacks
         rows_mpi, rows_sim = _metrics(mpi), _metrics(sim)
         assert [r["step"] for r in rows_sim] == [str(s) for s in range(5)]
@@ -78,8 +81,8 @@ def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, topology, workers,
         model_mpi = torch.load(mpi / "model.pt", weights_only=True)
         model_sim = torch.load(sim / "model.pt", weights_only=True)
         assert model_mpi.keys() == model_sim.keys()
-        for name, value in model_mpi.items():
-            torch.testing.assert_close(model_sim[name], value, rtol=model_rel, atol=model_abs, msg=f"{way} {name}")
+        for param, value in model_mpi.items():
+            torch.testing.assert_close(model_sim[param], value, rtol=model_rel, atol=model_abs, msg=f"{way} {param}")
 
 
 def test_a_model_that_does_not_stack_trains_one_pass_per_worker_as_without_stacking(capfd):

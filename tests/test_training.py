@@ -471,7 +471,7 @@ def _losses(log) -> list[float]:
 def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ranks):
     """--accumulate 4 (micro-batches of 8) follows --accumulate 1 (MLP: no BatchNorm, so the same
     gradient up to rounding); --clip-grad-norm and --amp bf16/fp16 run and stay finite."""
-    base = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "6", "--batch-size", "32"]
+    base = ["--model", "mlp", "--steps", "6", "--batch-size", "32"]
     base += ["--no-progress", "--topology", topology, "--eval-every", "0"]
     runs = {
         "plain": [],
@@ -479,13 +479,12 @@ def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ran
         "features": ["--clip-grad-norm", "0.5", "--amp", "bf16", "--accumulate", "2"],
         "fp16": ["--amp", "fp16", "--on-nonfinite", "skip", "--codec", "sign", "--feedback", "ef"],
     }
-    losses = {}
-    for name, extra in runs.items():
-        log = tmp_path / name
-        out = run_mpi([*base, *extra, "--log-dir", str(log)], n=ranks, timeout=180)
-        assert out.returncode == 0, f"{name}: {out.stderr[-3000:]}"
-        losses[name] = _losses(log)
-        assert all(np.isfinite(losses[name])) and len(losses[name]) == 6, (name, losses[name])
+    args = [arg for name, extra in runs.items() for arg in [*base, *extra, "--log-dir", str(tmp_path / name), "--"]]
+    out = run_script("train_runs.py", *args, n=ranks, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = {name: _losses(tmp_path / name) for name in runs}
+    for name, values in losses.items():
+        assert all(np.isfinite(values)) and len(values) == 6, (name, values)
     assert np.allclose(losses["accumulate"], losses["plain"], rtol=1e-4), losses
 
 
