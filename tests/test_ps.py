@@ -306,7 +306,7 @@ def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):
     assert proc.returncode != 0
     verdicts = re.findall(r"\[psgrad watchdog\] rank \d+: no heartbeat from rank (\d+) \((\S+)\)", proc.stderr)
     assert verdicts and {r for r, _ in verdicts} == {str(rank)}, proc.stderr[-3000:]
-    # --timeout 5 (+ 10 s grace when rank 0 itself is silent) + start-up, well within timeout + 30 s
+    # --timeout 5 (+ 5 s grace when rank 0 itself is silent) + start-up, well within timeout + 30 s
     assert elapsed < 5 + 30, f"job took {elapsed:.0f}s to end"
 
 

@@ -6,8 +6,8 @@ A helper thread on every rank, on its own duplicate communicator:
    A stopped (SIGSTOP), dead or cut-off process sends none: its threads do not run.
 2. Rank 0 aborts the job when a rank sent nothing for the timeout, naming the rank, its role and
    what it last reported, with what every other rank was waiting for. Every other rank aborts
-   when rank 0 was silent for the timeout plus a grace period (so rank 0's more precise verdict on
-   a silent worker comes first).
+   when rank 0 was silent for the timeout plus a grace period, 10 s or the timeout if shorter (so
+   rank 0's more precise verdict on a silent worker comes first).
 3. Rank 0 also aborts when every rank has been inside a wait for longer than the timeout: each
    waits for another, so none ever will progress (a rank computing, e.g. evaluating, is not waiting).
 4. The timeout: ``--timeout`` seconds, or by default ``max(FLOOR, FACTOR x the slowest step seen
@@ -36,7 +36,7 @@ from .transport import WAITING, Handle, Transport
 
 FLOOR = 60.0
 FACTOR = 10.0
-GRACE = 10.0  # extra seconds a rank gives rank 0 before naming it
+GRACE = 10.0  # extra seconds a rank gives rank 0 before naming it (at most the timeout itself)
 _TAG = 7
 _MAX_BYTES = 1024
 
@@ -173,7 +173,7 @@ class Watchdog:
     def _check(self, now: float) -> None:
         timeout = self.timeout()
         for peer, seen in self.seen.items():
-            limit = timeout if self.rank == 0 else timeout + GRACE
+            limit = timeout if self.rank == 0 else timeout + min(GRACE, timeout)
             if now - seen.at > limit:
                 self._abort(
                     f"no heartbeat from rank {peer} ({self.names(peer)}) for {now - seen.at:.0f} s: the process is "
