@@ -8,7 +8,9 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
 3. A rank that dies closes the pipe without ``bye`` (the kernel closes a dying process's files
    before its parent, the launcher, hears of the death). The sentinel then claims the job's
    *first death* file with an exclusive create; only the first claimant prints, naming its rank.
-   The ranks the launcher killed afterwards find the claim taken and stay silent.
+   The ranks the launcher killed afterwards find the claim taken and stay silent. The claimant
+   then closes its copy of the job's output (mpiexec waits for every copy) and removes the
+   claim 10 s later, once the other sentinels have seen it.
 4. A rank that aborts the job deliberately (psgrad's own error or watchdog verdict) claims the
    file itself before aborting, so the ranks the abort takes down stay silent too.
 5. In a process that ends with its job (``psgrad train``, a ``psgrad bench`` job:
