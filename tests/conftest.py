@@ -11,6 +11,7 @@ def device(request):
     return torch.device(request.param)
 
 
+import csv  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -51,6 +52,19 @@ def run_script(
     name: str, *args: str, n: int = 3, timeout: float = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return run_mpi([sys.executable, str(SCRIPTS / name), *args], n=n, timeout=timeout, env=env)
+
+
+def train_runs(root: Path, runs: dict[str, list[str]], n: int = 3, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Every ``name: options`` of ``psgrad train`` in one mpiexec job, one after another
+    (mpi_scripts/train_runs.py: the ranks start once), each logging to ``root / name``."""
+    args = [arg for name, options in runs.items() for arg in [*options, "--log-dir", str(root / name), "--"]]
+    return run_script("train_runs.py", *args, n=n, timeout=timeout)
+
+
+def metrics_rows(log_dir: Path) -> list[dict]:
+    """A run's metrics.csv, one dict of strings a row."""
+    with open(log_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def run_local_ranks(world, body) -> list:

@@ -1,13 +1,12 @@
 """--on-nonfinite: a NaN/Inf gradient aborts naming step, rank and layer, or is skipped everywhere."""
 
-import csv
 import math
 import re
 import sys
 
 import pytest
 import torch
-from conftest import run_mpi, run_script
+from conftest import metrics_rows, run_mpi, train_runs
 
 from psgrad.codecs import make_codec
 from psgrad.comm.protocol import Layer, NonFiniteError, encode_gradient, skip_update
@@ -48,16 +47,11 @@ def test_a_sum_that_overflows_is_caught_too():
 HUGE_LR = ["--model", "mlp", "--dataset", "synthetic", "--steps", "30", "--lr", "1e6", "--no-progress"]
 
 
-def _rows(log_dir) -> list[dict]:
-    with open(log_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.parametrize("topology", ["ps", "alltoall"])
 def test_huge_lr_aborts_within_the_step(tmp_path, topology):
     args = [*HUGE_LR, "--log-dir", str(tmp_path), "--topology", topology]
     proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args], timeout=180)
-    rows = _rows(tmp_path)
+    rows = metrics_rows(tmp_path)
     assert proc.returncode != 0
     found = re.search(r"NonFiniteError while .*?step (\d+): rank (\d)'s gradient of '([\w.]+)'", proc.stderr)
     assert found, proc.stderr[-3000:]
@@ -75,18 +69,15 @@ def skip_runs(tmp_path_factory):
     """Every SKIP case with --on-nonfinite skip, in one mpiexec job (start-up paid once): the job's
     result and the folder of the cases' log dirs."""
     root = tmp_path_factory.mktemp("skip")
-    args = []
-    for topology, mode in SKIP:
-        args += [*HUGE_LR, "--on-nonfinite", "skip", "--topology", topology, "--mode", mode]
-        args += ["--log-dir", str(root / f"{topology}-{mode}"), "--"]
-    return run_script("train_runs.py", *args, timeout=300), root
+    runs = {f"{t}-{m}": [*HUGE_LR, "--on-nonfinite", "skip", "--topology", t, "--mode", m] for t, m in SKIP}
+    return train_runs(root, runs, timeout=300), root
 
 
 @pytest.mark.parametrize("topology,mode", SKIP)
 def test_skip_drops_the_updates_and_counts_them(skip_runs, topology, mode):
     proc, root = skip_runs
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(root / f"{topology}-{mode}")
+    rows = metrics_rows(root / f"{topology}-{mode}")
     assert len(rows) == 30 and sum(int(r["nonfinite"]) for r in rows) > 0
     model = torch.load(root / f"{topology}-{mode}" / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values()), "a skipped update reached the parameters"

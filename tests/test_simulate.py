@@ -7,7 +7,6 @@ test runs both and compares them step for step; the others pin down the transpor
 
 from __future__ import annotations
 
-import csv
 import sys
 import time
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import run_bounded, run_local_ranks, run_script
+from conftest import metrics_rows, run_bounded, run_local_ranks, train_runs
 
 from psgrad.cli import main
 from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
@@ -24,11 +23,6 @@ from psgrad.config import RunConfig
 from psgrad.simulate import simulate, world_size
 
 SMALL = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "16", "--dataset", "synthetic"]
-
-
-def _metrics(log_dir) -> list[dict]:
-    with open(log_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 FOLLOWS = {  # name: topology, workers, codec; every case takes 3 ranks under MPI
@@ -50,8 +44,7 @@ def mpi_runs(tmp_path_factory):
     """Every FOLLOWS case as ``psgrad train`` on 3 ranks, in one mpiexec job (start-up paid once):
     the job's result and the folder of the cases' log dirs."""
     root = tmp_path_factory.mktemp("mpi")
-    args = [arg for name in FOLLOWS for arg in [*_follow_options(name), "--log-dir", str(root / name), "--"]]
-    return run_script("train_runs.py", *args, timeout=400), root
+    return train_runs(root, {name: _follow_options(name) for name in FOLLOWS}), root
 
 
 @pytest.mark.parametrize("name", FOLLOWS)
@@ -73,7 +66,7 @@ def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, mpi_runs, name):
         done = CliRunner().invoke(main, options)  # in this process, which has torch imported already
         assert done.exit_code == 0, done.output[-3000:]
         assert "computes on its own" not in done.stderr  # the WRN stacks
-        rows_mpi, rows_sim = _metrics(mpi), _metrics(sim)
+        rows_mpi, rows_sim = metrics_rows(mpi), metrics_rows(sim)
         assert [r["step"] for r in rows_sim] == [str(s) for s in range(5)]
         for a, b in zip(rows_mpi, rows_sim, strict=True):
             assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=loss_rel, abs=1e-7), way

@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi, run_script
+from conftest import metrics_rows, run_mpi, run_script, train_runs
 
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, augment, load_cifar, load_dataset
@@ -462,9 +462,7 @@ def test_config_reruns_a_logged_run_with_command_line_overrides(tmp_path, monkey
 
 
 def _losses(log) -> list[float]:
-    rows = (log / "metrics.csv").read_text().splitlines()
-    column = rows[0].split(",").index("loss")
-    return [float(row.split(",")[column]) for row in rows[1:]]
+    return [float(row["loss"]) for row in metrics_rows(log)]
 
 
 @pytest.mark.parametrize("topology,ranks", [("ps", 3), ("colocated", 2), ("alltoall", 2)])
@@ -479,8 +477,7 @@ def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ran
         "features": ["--clip-grad-norm", "0.5", "--amp", "bf16", "--accumulate", "2"],
         "fp16": ["--amp", "fp16", "--on-nonfinite", "skip", "--codec", "sign", "--feedback", "ef"],
     }
-    args = [arg for name, extra in runs.items() for arg in [*base, *extra, "--log-dir", str(tmp_path / name), "--"]]
-    out = run_script("train_runs.py", *args, n=ranks, timeout=240)
+    out = train_runs(tmp_path, {name: [*base, *extra] for name, extra in runs.items()}, n=ranks, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = {name: _losses(tmp_path / name) for name in runs}
     for name, values in losses.items():
