@@ -1,19 +1,34 @@
-"""psgrad: a parameter server over MPI whose every gradient travels through a codec."""
+"""psgrad: a parameter server over MPI whose every gradient travels through a codec.
 
-from .codecs import Codec, Message, available_codecs, make_codec
-from .comm import wire
-from .comm.wire import WireError
-from .feedback import DGCMemory, ErrorFeedback, make_feedback
+The names below are imported on first use (PEP 562), not with the package: the codecs need
+torch, and ``psgrad --help`` should not wait for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "Codec",
-    "DGCMemory",
-    "ErrorFeedback",
-    "Message",
-    "WireError",
-    "available_codecs",
-    "make_codec",
-    "make_feedback",
-    "wire",
-]
+
+_HOMES = {
+    "Codec": "psgrad.codecs",
+    "Message": "psgrad.codecs",
+    "available_codecs": "psgrad.codecs",
+    "make_codec": "psgrad.codecs",
+    "wire": "psgrad.comm.wire",
+    "WireError": "psgrad.comm.wire",
+    "DGCMemory": "psgrad.feedback",
+    "ErrorFeedback": "psgrad.feedback",
+    "make_feedback": "psgrad.feedback",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'psgrad' has no attribute {name!r}")
+    home = importlib.import_module(_HOMES[name])
+    value = home if name == "wire" else getattr(home, name)
+    globals()[name] = value
+    return value

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from .codecs import make_codec, parse_spec
-from .comm.protocol import LAYOUTS
+from .comm.layout import LAYOUTS
 from .config import RunConfig
 
 PARITY = 0.99

@@ -1,4 +1,7 @@
-"""The ``psgrad`` command line: a thin layer over the Python API."""
+"""The ``psgrad`` command line: a thin layer over the Python API.
+
+Importing it does not import torch (each command imports what it runs), so ``--help`` and usage
+errors are quick."""
 
 from __future__ import annotations
 
@@ -7,12 +10,8 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
-from .allocator import keep_freed_memory
-from .bench import codecbench
-from .codecs import available_codecs, kernels_name, make_codec
-from .models import MODELS, build_model
+from .choices import MODEL_NAMES
 from .options import SectionedCommand, config_from, config_option, run_options, with_config
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
@@ -68,6 +67,9 @@ def main() -> None:
 
 
 def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
+    from .bench import codecbench
+    from .codecs import make_codec
+
     if value is None:
         return codecbench.DEFAULT_SPECS
     specs = tuple(s.strip() for s in value.split(";") if s.strip())
@@ -80,6 +82,8 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 
 def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    from .bench import codecbench
+
     try:
         return tuple(codecbench.parse_size(item) for item in value.split(",") if item.strip())
     except ValueError as err:
@@ -95,7 +99,7 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
 )
 @click.option(
     "--model",
-    type=click.Choice(sorted(MODELS)),
+    type=click.Choice(MODEL_NAMES),
     default=None,
     help="Instead of --sizes: code the gradient of this model's every layer, one message a layer (one table).",
 )
@@ -131,6 +135,13 @@ def codecs(
 ) -> None:
     """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
     bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
+    import torch
+
+    from .allocator import keep_freed_memory
+    from .bench import codecbench
+    from .codecs import available_codecs, kernels_name
+    from .models import build_model
+
     torch.set_num_threads(threads)
     keep_freed_memory()
     if model is not None:
@@ -155,7 +166,7 @@ def codecs(
 
 
 def _train(role: str | None, options: dict) -> None:
-    from .comm.protocol import RankLayout, grid_places
+    from .comm.layout import RankLayout, grid_places
     from .comm.sentinel import goodbyes_held, hold_goodbyes
     from .comm.transport import finalize, world_rank, world_size
     from .train import run

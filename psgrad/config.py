@@ -6,12 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .codecs import make_codec
-from .comm.protocol import LAYOUTS, NONFINITE_POLICIES, TOPOLOGIES, parse_grid
-from .data import DATASETS
-from .feedback import FEEDBACKS
-from .models import MODELS
-from .models.layout import MEMORY_FORMATS
+from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
+from .comm.layout import LAYOUTS, TOPOLOGIES, parse_grid
 
 
 @dataclass
@@ -84,6 +80,8 @@ class RunConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> RunConfig:
+        from .codecs import make_codec  # torch: not needed to build the command line
+
         def need(ok: bool, text: str) -> None:
             if not ok:
                 raise ValueError(text)
@@ -172,7 +170,7 @@ class RunConfig:
             self.schedule in ("constant", "multistep", "cosine"),
             f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
         )
-        need(self.model in MODELS, f"--model must be one of {', '.join(sorted(MODELS))}, got {self.model!r}")
+        need(self.model in MODEL_NAMES, f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
         need(not self.tensorboard or self.log_dir is not None, "--tensorboard writes into --log-dir: give one")
         need(self.timeout >= 0, f"--timeout must be >= 0 seconds (0: automatic), got {self.timeout}")
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")

@@ -28,7 +28,8 @@ from .accuracy import accuracy_note
 from .allocator import keep_freed_memory
 from .codecs import make_codec
 from .comm import wire
-from .comm.protocol import RankLayout, StepStats, buffers_vector, layer_tag, plan_layers
+from .comm.layout import RankLayout
+from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .comm.transport import Transport
 from .config import RunConfig
 from .data import ShardLoader, eval_batches, load_dataset

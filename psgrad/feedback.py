@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .choices import FEEDBACKS
 from .codecs import Codec, Message, make_codec
 
 
@@ -201,9 +202,6 @@ class RoundMemory(NoFeedback):
         for key, tensor in state.items():
             layer, _, name = key.removeprefix("round/").rpartition("/")
             self.states.setdefault(layer, {})[name] = tensor.clone()
-
-
-FEEDBACKS = ("none", "ef", "dgc")
 
 
 def make_feedback(kind: str, codec: Codec, **options: float) -> NoFeedback:

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import click
 
-from .comm.protocol import NONFINITE_POLICIES, TOPOLOGIES
+from .choices import DATASETS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
+from .comm.layout import TOPOLOGIES
 from .config import RunConfig
-from .data import DATASETS
-from .models import MODELS
-from .models.layout import MEMORY_FORMATS
 
 _DEFAULTS = RunConfig()
 
@@ -26,7 +24,7 @@ def _milestones(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 
 # (flag, RunConfig field, click type, help). One table serves train, server and worker.
 RUN_OPTIONS = [
-    ("--model", "model", click.Choice(sorted(MODELS)), "Model architecture."),
+    ("--model", "model", click.Choice(MODEL_NAMES), "Model architecture."),
     ("--depth", "depth", click.IntRange(min=10), "Only --model wrn: WideResNet depth (6n+4: 10, 16, 22, 28, 40)."),
     ("--widen-factor", "widen_factor", click.IntRange(min=1), "Only --model wrn: WideResNet width multiplier k."),
     ("--dropout", "dropout", click.FloatRange(0, 1, max_open=True), "Only --model wrn: dropout between convolutions."),

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 import torch.nn.functional as F
 from torch import nn
 
+from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
-from .comm.protocol import RankLayout, grid_places
 from .config import RunConfig
 from .context import LossFn
 from .optim import OptimizerFn

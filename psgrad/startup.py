@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from .comm.transport import Transport
-from .config import RunConfig
+if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
+    from .comm.transport import Transport
+    from .config import RunConfig
 
 PER_RANK = frozenset({"device", "threads", "progress"})
 """Settings a rank may have of its own (a GPU worker beside a CPU server, the bar on rank 0)."""

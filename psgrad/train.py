@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
-from .comm.protocol import RankLayout
+from .comm.layout import RankLayout
 from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
 from .config import RunConfig

@@ -6,7 +6,7 @@ import pytest
 
 from psgrad.accuracy import MEASURED, PARITY, accuracy_note, measured
 from psgrad.codecs import available_codecs, make_codec, parse_spec
-from psgrad.comm.protocol import LAYOUTS
+from psgrad.comm.layout import LAYOUTS
 from psgrad.config import RunConfig
 
 

@@ -1,7 +1,10 @@
 """The package's floors: imports only go down, roles never import each other, MPI stays in transport."""
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,7 +55,7 @@ def _internal(name: str) -> set[str]:
 
 # (floor, module prefixes): a module may import only from its own floor or below
 FLOORS = [
-    (0, ["psgrad.codecs", "psgrad.models", "psgrad.data", "psgrad.allocator"]),
+    (0, ["psgrad.codecs", "psgrad.models", "psgrad.data", "psgrad.allocator", "psgrad.choices", "psgrad.comm.layout"]),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
     (2, ["psgrad.comm.local", "psgrad.accuracy"]),
@@ -133,3 +136,24 @@ def test_feedback_is_built_in_one_place_with_every_dgc_option():
     assert (memory.momentum, memory.nesterov, memory.clip_norm, memory.warmup_epochs) == (0.5, True, 2.0, 3)
     # receive buffers are sized for the warm-up's densest codec too
     assert {make_codec(spec).params["ratio"] for spec in memory.codec_specs()} == {0.25, 0.01}
+
+
+def test_the_command_line_offers_every_command_without_importing_torch():
+    """``psgrad --help`` and every command's --help run without torch (3-4 s to import here):
+    the choices they offer come from psgrad.choices and psgrad.comm.layout."""
+    script = """
+import contextlib, io, json, sys
+from psgrad.cli import main
+helped = []
+for args in [[]] + [[name] for name in sorted(main.commands)]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main.main(args=args + ["--help"], prog_name="psgrad", standalone_mode=False)
+    helped += [" ".join(args)] if out.getvalue().startswith("Usage: psgrad") else []
+print(json.dumps({"helped": helped, "torch": "torch" in sys.modules}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert {"", "train", "simulate", "bench", "codecs"} <= set(seen["helped"])
+    assert not seen["torch"], "building the command line imported torch"

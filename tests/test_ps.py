@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import metrics_rows, run_mpi, run_script
 
-from psgrad.comm.protocol import RankLayout, plan_layers, shard_layers
+from psgrad.comm.layout import RankLayout
+from psgrad.comm.protocol import plan_layers, shard_layers
 
 
 def _ok(proc, marker):
@@ -350,7 +351,7 @@ def test_colocated_equals_separate_servers(colocated_and_separate, name):
 
 
 def test_every_topology_has_a_role_and_a_layout():
-    from psgrad.comm.protocol import TOPOLOGIES
+    from psgrad.comm.layout import TOPOLOGIES
     from psgrad.roles import ROLES
 
     assert set(ROLES) == set(TOPOLOGIES)
@@ -477,7 +478,7 @@ def test_ring_with_sign_reaches_consensus_and_learns(tmp_path):
 
 
 def test_gossip_neighbourhoods():
-    from psgrad.comm.protocol import neighbours_of, parse_grid, ring_neighbours, torus_neighbours
+    from psgrad.comm.layout import neighbours_of, parse_grid, ring_neighbours, torus_neighbours
 
     assert [ring_neighbours(r, 4) for r in range(4)] == [[1, 3], [0, 2], [1, 3], [0, 2]]
     assert ring_neighbours(0, 2) == [1] and ring_neighbours(0, 1) == []

@@ -41,7 +41,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..comm.protocol import LAYOUTS, TIME_KEYS, RankLayout
+from ..comm.layout import LAYOUTS, RankLayout
+from ..comm.protocol import TIME_KEYS
 from ..config import RunConfig
 from ..options import option_overrides
 from .baselines import BASELINES

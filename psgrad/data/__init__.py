@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..choices import DATASETS
 from .cifar import ImageSet, load_cifar, missing_data
 from .synthetic import make_proxy, make_synthetic
 
 GENERATED = {"synthetic": make_synthetic, "proxy": make_proxy}
-DATASETS = ("synthetic", "proxy", "cifar10", "cifar100")
 
 MEANS = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
 STDS = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}

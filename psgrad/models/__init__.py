@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..choices import MODEL_NAMES
 from .alexnet import AlexNet
 from .resnet9 import ResNet9
 from .resnet20 import ResNet20
@@ -22,6 +23,10 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": lambda num_classes, **_: MLP(num_classes),
     "convnet": lambda num_classes, **_: ConvNet(num_classes),
 }
+if set(MODELS) != set(MODEL_NAMES):  # the command line offers MODEL_NAMES without importing this
+    raise ImportError(
+        f"psgrad.choices.MODEL_NAMES {sorted(MODEL_NAMES)} must name the models built here: {sorted(MODELS)}"
+    )
 
 
 def build_model(name: str, num_classes: int, **options) -> nn.Module:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
+from ..choices import MEMORY_FORMATS
 
 
 def memory_format(name: str, device: torch.device) -> torch.memory_format:

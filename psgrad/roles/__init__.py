@@ -1,7 +1,7 @@
 """Roles by topology: ``ROLES[cfg.topology](ctx)`` gives this rank's role.
 
 A new topology is one file here (a ``context.Role`` subclass, or a function that picks one by
-rank) plus its line below, and its rank layout in ``comm.protocol.LAYOUTS``. Roles never import
+rank) plus its line below, and its rank layout in ``comm.layout.LAYOUTS``. Roles never import
 each other: what they share is in ``comm.protocol`` and ``engine``.
 """
 

@@ -33,6 +33,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
+from ..comm.layout import neighbours_of
 from ..comm.protocol import (
     GradientGate,
     Layer,
@@ -41,7 +42,6 @@ from ..comm.protocol import (
     layer_tag,
     layer_values,
     message_seed,
-    neighbours_of,
     skip_update,
     upload_bound,
 )

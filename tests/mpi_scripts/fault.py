@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from psgrad.comm.protocol import RankLayout
+from psgrad.comm.layout import RankLayout
 from psgrad.comm.sentinel import hold_goodbyes
 from psgrad.comm.transport import Transport, finalize
 from psgrad.config import RunConfig

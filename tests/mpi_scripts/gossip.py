@@ -13,7 +13,7 @@ import torch
 from scenarios import split_runs
 from small_mlp import SETTINGS
 
-from psgrad.comm.protocol import neighbours_of
+from psgrad.comm.layout import neighbours_of
 from psgrad.comm.transport import world_rank, world_size
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset

@@ -1,0 +1,13 @@
+"""The names a user chooses among on the command line (models, datasets, feedback, layouts,
+non-finite policies), without importing torch: ``psgrad --help`` and its usage errors stay
+quick. The modules that implement each choice import its names from here; ``psgrad.models``
+checks that it builds exactly ``MODEL_NAMES``.
+"""
+
+from __future__ import annotations
+
+MODEL_NAMES = ("alexnet", "convnet", "mlp", "resnet20", "resnet9", "wrn")
+DATASETS = ("synthetic", "proxy", "cifar10", "cifar100")
+FEEDBACKS = ("none", "ef", "dgc")
+MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
+NONFINITE_POLICIES = ("abort", "skip")
