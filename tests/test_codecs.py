@@ -305,7 +305,8 @@ def test_qsgd_is_bit_packed_not_byte_per_element():
     [
         ("nope", "unknown codec 'nope'"),
         ("topk:ratio=2", "ratio must be in (0, 1]"),
-        ("topk:ratio=x", "ratio='x' is not a float"),
+        ("topk:ratio=x", "ratio='x' is not a number"),
+        ("qsgd:levels=abc", "levels='abc' is not an integer"),
         ("qsgd:level=3", "has no parameter 'level'"),
         ("qsgd:levels", "expected key=value"),
         ("topk:values=int8", "values must be one of"),

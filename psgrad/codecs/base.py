@@ -79,7 +79,8 @@ class Codec:
             try:
                 value = type(default)(value) if not isinstance(default, bool) else bool(int(value))
             except (TypeError, ValueError):
-                raise ValueError(f"codec {self.name!r}: {key}={value!r} is not a {type(default).__name__}") from None
+                kind = {int: "an integer", float: "a number", bool: "0 or 1"}.get(type(default), type(default).__name__)
+                raise ValueError(f"codec {self.name!r}: {key}={value!r} is not {kind}") from None
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"codec {self.name!r}: {key} must be finite")
             if key in self.choices and value not in self.choices[key]:
