@@ -1,4 +1,4 @@
-"""Probe (docs/benchmarks.md, "Session 20"): could ``psgrad simulate`` put its workers along the
+"""Probe (docs/benchmarks.md, "Session 20" and "Session 21"): could ``psgrad simulate`` put its workers along the
 batch instead of stacking them into grouped convolutions?
 
 The batch layout, for N workers of B images with the same weights:
@@ -8,9 +8,11 @@ The batch layout, for N workers of B images with the same weights:
 4. the linear layer's per-worker gradients are one batched matrix product.
 
 The script checks that this gives every worker its own gradients (float64, 3 workers of 4
-images), then times, on one torch thread with freed memory kept:
-- the weight gradients of WRN-10-1's convolutions: one plain call on N x B images, N calls on
-  slices, one grouped call as the stacked pass makes it;
+images), and that so does a fourth way to the weight gradients (one grouped forward convolution,
+``as_forward_convolution``), then times, on one torch thread with freed memory kept:
+- the weight gradients of WRN-10-1's convolutions, per pass and per layer: one plain call on
+  N x B images, N calls on slices, one grouped call as the stacked pass makes it, one grouped
+  forward convolution;
 - whole forward and backward passes, in alternating rounds: the lone worker on N x B images, the
   batch layout, and psgrad's stacked pass (``psgrad.stacked.StackedPass``).
 
@@ -152,10 +154,40 @@ def check(workers: int = 3, size: int = 4) -> None:
         for name, param in own.named_parameters():
             torch.testing.assert_close(grads[name.replace(".conv.", ".")][i], param.grad, rtol=1e-9, atol=1e-12)
     print(f"check: each of {workers} workers' gradients equal its own pass's (float64)")
+    for cin, cout, pixels, stride, kernel in [(3, 5, 8, 1, 3), (4, 6, 8, 2, 3), (4, 6, 8, 2, 1)]:
+        x = torch.randn(workers * size, cin, pixels, pixels, dtype=torch.float64)
+        g = torch.randn(workers * size, cout, pixels // stride, pixels // stride, dtype=torch.float64)
+        w = torch.zeros(cout, cin, kernel, kernel, dtype=torch.float64)
+        slices = [
+            weight_gradient(gi, xi, w, stride, kernel // 2)
+            for gi, xi in zip(g.chunk(workers), x.chunk(workers), strict=True)
+        ]
+        torch.testing.assert_close(
+            as_forward_convolution(g, x, kernel, stride, kernel // 2, workers), torch.cat(slices), rtol=1e-9, atol=1e-12
+        )
+    print("check: the forward convolution's weight gradients equal the per-worker ones (float64, strides 1 and 2)")
+
+
+def as_forward_convolution(g, x, kernel: int, stride: int, padding: int, workers: int) -> torch.Tensor:
+    """Every worker's weight gradient as one grouped *forward* convolution (session 21): the
+    input channels play the batch, each worker's images the channels, and its output gradient
+    the kernel (dilated by the stride). Returns (workers x cout, cin, k, k).
+
+    1. x (N·B, cin, H, W) -> (cin, N·B, H, W): one "image" per input channel.
+    2. g (N·B, cout, H', W') -> (N·cout, B, H', W'): worker n's output channels, its B images as channels.
+    3. conv2d with groups N, padding p, dilation s, cropped to k x k; transposed to (N·cout, cin, k, k)."""
+    cin, cout, size = x.shape[1], g.shape[1], x.shape[0] // workers
+    images = x.transpose(0, 1).contiguous()
+    kernels = g.transpose(0, 1).reshape(cout, workers, size, *g.shape[2:]).transpose(0, 1)
+    kernels = kernels.reshape(workers * cout, size, *g.shape[2:]).contiguous()
+    out = F.conv2d(images, kernels, None, 1, padding, stride, workers)[:, :, :kernel, :kernel]
+    return out.transpose(0, 1).reshape(workers * cout, cin, kernel, kernel)
 
 
 def weight_gradient_ways(x, g, w, xg, gg, wg, stride: int, padding: int, workers: int) -> dict:
-    """The three ways to time: one plain call, one plain call per worker's slice, one grouped call."""
+    """The ways to time: one plain call, one plain call per worker's slice, one grouped call, one
+    grouped forward convolution."""
+    kernel = w.shape[-1]
     return {
         "plain, whole batch": lambda: weight_gradient(g, x, w, stride, padding),
         "per worker, slices": lambda: [
@@ -163,6 +195,7 @@ def weight_gradient_ways(x, g, w, xg, gg, wg, stride: int, padding: int, workers
             for gi, xi in zip(g.chunk(workers), x.chunk(workers), strict=True)
         ],
         "grouped": lambda: weight_gradient(gg, xg, wg, stride, padding, groups=workers),
+        "forward convolution": lambda: as_forward_convolution(g, x, kernel, stride, padding, workers),
     }
 
 
@@ -170,7 +203,9 @@ def time_weight_gradients(workers: int, size: int, rounds: int) -> None:
     """ms per pass over WRN-10-1's convolutions: (cin, cout, pixels, stride, kernel)."""
     layers = [(3, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 16, 32, 1, 3), (16, 32, 32, 2, 3), (32, 32, 16, 1, 3)]
     layers += [(16, 32, 32, 2, 1), (32, 64, 16, 2, 3), (64, 64, 8, 1, 3), (32, 64, 16, 2, 1)]
-    totals: dict[str, list[float]] = {"plain, whole batch": [], "per worker, slices": [], "grouped": []}
+    names = ["plain, whole batch", "per worker, slices", "grouped", "forward convolution"]
+    totals: dict[str, list[float]] = {name: [] for name in names}
+    by_layer: dict[tuple, dict[str, list[float]]] = {layer: {name: [] for name in names} for layer in layers}
     for _ in range(rounds):
         spent = dict.fromkeys(totals, 0.0)
         for cin, cout, pixels, stride, kernel in layers:
@@ -185,11 +220,16 @@ def time_weight_gradients(workers: int, size: int, rounds: int) -> None:
             for name, call in calls.items():
                 start = time.perf_counter()
                 call()
-                spent[name] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                spent[name] += took
+                by_layer[cin, cout, pixels, stride, kernel][name].append(took * 1e3)
         for name in totals:
             totals[name].append(spent[name] * 1e3)
     for name, values in totals.items():
         print(f"weight gradients, {name}: {statistics.median(values):.1f} ms a pass (median of {rounds})")
+    print("per layer (cin, cout, pixels, stride, kernel), ms: " + " / ".join(names))
+    for layer, spent_by in by_layer.items():
+        print(f"  {layer}: " + " / ".join(f"{statistics.median(spent_by[name]):.2f}" for name in names))
 
 
 def time_passes(workers: int, size: int, rounds: int) -> None:
