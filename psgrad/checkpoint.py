@@ -19,8 +19,10 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where files are written or read: the command line finds runs without it
+    import torch
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"ckpt-step(\d+)$")
@@ -31,6 +33,8 @@ class CheckpointError(RuntimeError):
 
 
 def _atomic_save(obj: object, path: Path) -> None:
+    import torch
+
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -103,6 +107,41 @@ def resolve(resume: str | Path) -> Path:
     return max(complete)[1]
 
 
+def run_dir(resume: str | Path | None) -> Path | None:
+    """The log dir of the run ``--resume`` continues (``resume`` itself, or the parent of a
+    ``ckpt-stepN``) when its ``config.json`` is there; None otherwise."""
+    if not resume:
+        return None
+    path = Path(resume)
+    path = path.parent if _STEP_DIR.search(path.name) else path
+    return path if (path / "config.json").is_file() else None
+
+
+# settings that say how long a run goes, where it writes and how it shows it: free to change on resume
+_FREE_ON_RESUME = frozenset(
+    {"steps", "epochs", "resume", "overwrite", "log_dir", "progress", "timeout", "threads", "device", "extra",
+     "eval_every", "eval_steps", "eval_background", "tensorboard", "checkpoint_every"}
+)  # fmt: skip
+
+
+def changed_settings(resume: str | Path, settings: dict) -> list[str]:
+    """``--feedback ef -> none`` for each setting in ``settings`` (a RunConfig as a dict) that shapes
+    the training and differs from the config.json of the run ``resume`` continues."""
+    where = run_dir(resume)
+    if where is None:
+        return []
+    try:
+        saved = json.loads((where / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    changed = []
+    for key, value in settings.items():
+        value = json.loads(json.dumps(value))  # as config.json holds it (tuples as lists)
+        if key not in _FREE_ON_RESUME and key in saved and saved[key] != value:
+            changed.append(f"--{key.replace('_', '-')} {saved[key]} -> {value}")
+    return changed
+
+
 def load_rank_state(directory: Path, rank: int, ranks: int) -> dict:
     """Rank ``rank``'s state from a complete checkpoint; one-line CheckpointError otherwise."""
     info = _marker(directory)
@@ -116,6 +155,8 @@ def load_rank_state(directory: Path, rank: int, ranks: int) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing, although {directory} is marked complete (was a file deleted?)")
     try:
+        import torch
+
         state = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001  torch raises many types; its text suggests unsafe loading
         raise CheckpointError(

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from .choices import MODEL_NAMES
-from .options import SectionedCommand, config_from, config_option, run_options, with_config
+from .options import SectionedCommand, config_from, config_option, run_options, run_settings
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -171,7 +171,7 @@ def _train(role: str | None, options: dict) -> None:
     from .comm.transport import finalize, world_rank, world_size
     from .train import run
 
-    cfg = config_from(with_config(options, options.pop("config_path", None)))
+    cfg = run_settings(options)
     _require_data(cfg)
     try:
         layout = RankLayout(world_size(), cfg.servers, cfg.topology)
@@ -272,7 +272,7 @@ def simulate(workers: int, cores: int | None, stack: bool | None, **options) -> 
 
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
-    cfg = config_from(with_config(options, options.pop("config_path", None)))
+    cfg = run_settings(options)
     _require_data(cfg)
     try:
         world_size(cfg, workers)

@@ -1,7 +1,8 @@
 """The run context, built once per rank, and the interface every role implements.
 
 ``RunContext.build`` does, in order: settings -> rank layout -> model -> layer plan -> this
-rank's data shard -> steps -> resume state -> metrics log (rank 0). Every role receives the same
+rank's data shard -> steps -> resume state; ``open_log`` then writes config.json and opens the
+metrics log (rank 0), once a resumed state has loaded on every rank. Every role receives the same
 context, so no role wires up a model, codec, feedback or checkpoint path of its own.
 """
 
@@ -190,18 +191,26 @@ class RunContext:
         if ctx.start >= total:
             raise ValueError(f"--resume is at step {ctx.start}, nothing left of {total} steps")
         ctx._announce(model_fn is None)
-        if rank == 0:
-            ctx.log = MetricsLog(
-                cfg.log_dir,
-                total,
-                ctx.start,
-                spe,
-                f"psgrad {label} {cfg.topology}",
-                cfg.tensorboard,
-                cfg.progress,
-                keep_all_rows=bool(cfg.extra.get("keep_all_rows")),
-            )
         return ctx
+
+    def open_log(self) -> None:
+        """Rank 0 writes config.json and opens the metrics log (``log``). Called once the run
+        starts for sure: a resume whose checkpoint did not fit must leave its log dir as it was."""
+        if self.rank != 0:
+            return
+        cfg = self.cfg
+        if cfg.log_dir:
+            cfg.save(cfg.log_dir, _run_facts(self.transport))
+        self.log = MetricsLog(
+            cfg.log_dir,
+            self.total,
+            self.start,
+            self.steps_per_epoch,
+            f"psgrad {self.label} {cfg.topology}",
+            cfg.tensorboard,
+            cfg.progress,
+            keep_all_rows=bool(cfg.extra.get("keep_all_rows")),
+        )
 
     def _announce(self, named_model: bool) -> None:
         pids = self.transport.all_pids()
@@ -210,8 +219,6 @@ class RunContext:
         layout, cfg = self.layout, self.cfg
         roles = ", ".join(f"{r}={layout.role_name(r)}:{pid}" for r, pid in enumerate(pids))
         print(f"[psgrad] rank=role:pid {roles}", file=sys.stderr)
-        if cfg.log_dir:
-            cfg.save(cfg.log_dir, _run_facts(self.transport))
         servers = len(layout.server_ranks)
         model = cfg.model if named_model else type(self.model).__name__
         params = sum(p.numel() for p in self.model.parameters())

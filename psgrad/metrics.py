@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import time
 from collections import deque
@@ -67,10 +68,31 @@ ROWS_KEPT = 2000
 RATE_WINDOW = 10  # steps the progress bar's it/s is measured over
 
 
-def _header(path: Path) -> list[str]:
-    """The column names in a CSV file's first line (none for an empty file)."""
+def _cut_at(path: Path, start_step: int) -> list[str]:
+    """Ready a resumed run's CSV file for appending; return its own columns (an older psgrad may
+    have written fewer; none for an empty file).
+
+    1. Rows of the steps before ``start_step`` stay; later ones go (a run resumed from an older
+       checkpoint trains those steps again), as does a row cut off when the job was killed.
+    2. The file is rewritten under a temporary name and renamed over the old one."""
     with open(path, newline="") as f:
-        return next(csv.reader(f), [])
+        reader = csv.reader(f)
+        header = next(reader, [])
+        column = header.index("step") if "step" in header else None
+
+        def before_start(row: list[str]) -> bool:
+            try:
+                return len(row) == len(header) and (column is None or int(row[column]) < start_step)
+            except ValueError:
+                return False
+
+        kept = [row for row in reader if before_start(row)]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        if header:
+            csv.writer(f).writerows([header, *kept])
+    os.replace(tmp, path)
+    return header
 
 
 class MetricsLog:
@@ -103,8 +125,7 @@ class MetricsLog:
             for name, cols in (("metrics", METRIC_COLUMNS), ("eval", EVAL_COLUMNS)):
                 path = self.dir / f"{name}.csv"
                 appending = append and path.exists()
-                # a resumed run keeps the file's own columns (an older psgrad may have written fewer)
-                cols = (_header(path) or cols) if appending else cols
+                cols = (_cut_at(path, start_step) or cols) if appending else cols
                 f = open(path, "a" if appending else "w", newline="")
                 writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
                 if f.tell() == 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from . import checkpoint
 from .choices import DATASETS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
 from .comm.layout import TOPOLOGIES
 from .config import RunConfig
@@ -274,7 +275,10 @@ RUN_OPTIONS = [
         "--resume",
         "resume",
         click.Path(exists=True, file_okay=False),
-        "Continue from a log dir (its newest complete checkpoint) or from one LOG_DIR/ckpt-stepN.",
+        "Continue from a log dir (its newest complete checkpoint) or from one LOG_DIR/ckpt-stepN: the run's "
+        "config.json gives every setting the command line does not (without --config), and the run logs on into "
+        "that log dir (without --log-dir); e.g. --resume runs/a --steps 4000 trains it on to step 4000. Steps "
+        "logged after the checkpoint are dropped from its CSV files.",
     ),
 ]
 
@@ -358,8 +362,6 @@ def with_config(options: dict, config_path: str | None) -> dict:
     (a config.json or a log dir); a file psgrad cannot read is a usage error naming it."""
     if config_path is None:
         return options
-    from click.core import ParameterSource
-
     path = Path(config_path)
     path = path / "config.json" if path.is_dir() else path
     try:
@@ -368,12 +370,34 @@ def with_config(options: dict, config_path: str | None) -> dict:
         raise click.UsageError(f"--config {config_path}: not a psgrad config.json ({err})") from None
     for key in _INVOCATION_ONLY:
         saved.pop(key, None)
-    ctx = click.get_current_context()
     merged = dict(options)
     for key, value in saved.items():
-        if key in merged and ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+        if key in merged and not _on_command_line(key):
             merged[key] = value
     return merged
+
+
+def _on_command_line(name: str) -> bool:
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
+def run_settings(options: dict) -> RunConfig:
+    """A training command's settings, validated (a bad one is a usage error naming it).
+
+    1. ``--config C``: C's settings for every option the command line did not give.
+    2. Else ``--resume D`` (or ``D/ckpt-stepN``): the settings of the run in D (its config.json),
+       so that ``--resume D --steps 40`` continues that run as it was, for longer.
+    3. A resumed run logs on into D unless ``--log-dir`` says otherwise.
+    """
+    options = dict(options)
+    config_path = options.pop("config_path", None)
+    resumed = checkpoint.run_dir(options.get("resume"))
+    merged = with_config(options, config_path or resumed)
+    if resumed is not None and not _on_command_line("log_dir"):
+        merged["log_dir"] = str(resumed)
+    return config_from(merged)
 
 
 def config_from(options: dict) -> RunConfig:

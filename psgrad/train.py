@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,8 @@ def run(
         if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
             raise
         print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
+        if not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
+            traceback.print_exc(file=sys.stderr)
         if transport.size > 1:
             if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
                 watchdog.claim(f"{type(err).__name__}: {err}")
@@ -99,7 +100,9 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: 
     ctx = RunContext.build(cfg, transport, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn)
     role = where["role"] = ROLES[cfg.topology](ctx)
     if ctx.resume:
-        role.load_state_dict(ctx.resume)
+        _load_state(role, ctx)
+        ctx.transport.barrier()  # every rank's state fits before rank 0 touches the log dir
+    ctx.open_log()
     log = ctx.log  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):
@@ -129,6 +132,21 @@ def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: 
         if not cfg.log_dir:
             print("[psgrad] the trained model was not saved: --log-dir DIR keeps it (DIR/model.pt)", file=sys.stderr)
     return result
+
+
+def _load_state(role, ctx: RunContext) -> None:
+    """The checkpoint's state into ``role``; when it does not fit (another feedback, model or
+    topology than the run that wrote it), a CheckpointError names the settings that changed."""
+    try:
+        role.load_state_dict(ctx.resume)
+    except (ValueError, KeyError, RuntimeError) as err:
+        changed = checkpoint.changed_settings(ctx.cfg.resume, asdict(ctx.cfg))
+        since = f"; changed since the run that wrote it: {', '.join(changed)}" if changed else ""
+        raise checkpoint.CheckpointError(
+            f"--resume {ctx.cfg.resume}: the checkpoint of step {ctx.start} does not fit this run's settings "
+            f"({type(err).__name__}: {err}){since}. Resume with that run's settings: without --config, psgrad "
+            "takes every setting the command line does not give from the config.json of the run it resumes"
+        ) from err
 
 
 def _summary(result: RunResult, label: str, steps: int) -> None:

@@ -94,3 +94,36 @@ def test_a_resumed_log_appends_in_the_columns_its_metrics_file_already_has(tmp_p
     fresh = MetricsLog(str(tmp_path / "new"), 4, 0, 4, "test", progress=False)
     fresh.close()
     assert "load" in (tmp_path / "new" / "metrics.csv").read_text().splitlines()[0].split(",")
+
+
+def test_a_resumed_log_keeps_the_steps_before_its_checkpoint_once(tmp_path):
+    """Resumed from an older checkpoint (step 6 of a run logged to step 9, its last line cut off by
+    a kill), metrics.csv and eval.csv keep the rows before step 6 and the resumed run's, each step
+    once."""
+    import csv
+
+    from psgrad.metrics import MetricsLog
+
+    def row(step: int) -> dict:
+        return {"step": step, "loss": 1.0 / (step + 1), "it_per_s": 2.0, "bytes_up": 7, "bytes_down": 0, "wall": step}
+
+    first = MetricsLog(str(tmp_path), 10, 0, 4, "test", progress=False)
+    for step in range(10):
+        first.step(row(step))
+    for step in (3, 7):
+        first.evaluation(
+            {"step": step, "epoch": (step + 1) / 4, "test_loss": 1.0, "test_acc": 0.5, "dataset": "synthetic"}
+        )
+    first.close()
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("10,0.1")  # the row being written when the job was killed
+    resumed = MetricsLog(str(tmp_path), 12, 6, 4, "test", progress=False)
+    for step in range(6, 12):
+        resumed.step(row(step))
+    resumed.evaluation({"step": 11, "epoch": 3.0, "test_loss": 0.5, "test_acc": 0.75, "dataset": "synthetic"})
+    resumed.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == list(range(12))
+    with open(tmp_path / "eval.csv", newline="") as f:
+        assert [(r["step"], r["test_acc"]) for r in csv.DictReader(f)] == [("3", "0.5"), ("11", "0.75")]

@@ -7,6 +7,7 @@ test runs both and compares them step for step; the others pin down the transpor
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -168,6 +169,30 @@ def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, top
     for rank in (1, 2):
         for name, value in whole[rank].params.items():
             torch.testing.assert_close(resumed[rank].params[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
+    """`psgrad simulate --resume D/ckpt-step3 --steps 6` continues D's run with its own settings and
+    logs into D (each step once, the model of the uninterrupted run); resuming with --feedback none
+    is one error that names the changed setting, not a traceback from deep in the worker."""
+    run = tmp_path / "run"
+    first = ["simulate", "--workers", "2", "--model", "mlp", "--batch-size", "8", "--steps", "6"]
+    first += ["--checkpoint-every", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
+    done = CliRunner().invoke(main, [*first, "--log-dir", str(run)])
+    assert done.exit_code == 0, done.output[-3000:]
+    whole = torch.load(run / "model.pt", weights_only=True)
+    again = ["simulate", "--workers", "2", "--resume", str(run / "ckpt-step3"), "--steps", "6", "--no-progress"]
+    done = CliRunner().invoke(main, again)
+    assert done.exit_code == 0, done.output[-3000:]
+    assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
+    resumed = torch.load(run / "model.pt", weights_only=True)
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+    misfit = CliRunner().invoke(main, [*again[:-3], "--steps", "9", "--feedback", "none", "--no-progress"])
+    assert misfit.exit_code == 1
+    assert "does not fit this run's settings" in misfit.stderr and "--feedback ef -> none" in misfit.stderr
+    assert json.loads((run / "config.json").read_text())["feedback"] == "ef"  # the failed resume changed nothing
+    assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
 
 
 def test_world_size_adds_the_servers_of_the_ps_topology():

@@ -461,6 +461,40 @@ def test_config_reruns_a_logged_run_with_command_line_overrides(tmp_path, monkey
     assert bad.exit_code == 2 and "not a psgrad config.json" in bad.output
 
 
+def test_resume_takes_the_settings_of_the_run_it_continues(tmp_path, monkeypatch):
+    """--resume D (or D/ckpt-stepN) without --config: every setting the command line does not give
+    comes from D/config.json, and the run logs on into D unless --log-dir says otherwise."""
+    from click.testing import CliRunner
+
+    import psgrad.comm.transport as transport
+    import psgrad.train
+    from psgrad.cli import main
+
+    seen = []
+    monkeypatch.setattr(transport, "world_size", lambda: 3)
+    monkeypatch.setattr(transport, "world_rank", lambda: 0)
+    monkeypatch.setattr(psgrad.train, "run", seen.append)
+    run = tmp_path / "run"
+    (run / "ckpt-step4").mkdir(parents=True)
+    RunConfig(model="mlp", codec="sign", feedback="ef", steps=8, log_dir="relative/elsewhere").save(run)
+    runner = CliRunner()
+    for resume in (run, run / "ckpt-step4"):
+        out = runner.invoke(main, ["train", "--resume", str(resume), "--steps", "12"])
+        assert out.exit_code == 0, out.output
+        cfg = seen[-1]
+        assert (cfg.model, cfg.codec, cfg.feedback, cfg.steps) == ("mlp", "sign", "ef", 12)
+        assert (cfg.resume, cfg.log_dir) == (str(resume), str(run))
+    out = runner.invoke(main, ["train", "--resume", str(run), "--codec", "topk:ratio=0.1", "--log-dir", "other"])
+    assert out.exit_code == 0 and (seen[-1].codec, seen[-1].feedback, seen[-1].log_dir) == (
+        "topk:ratio=0.1",
+        "ef",
+        "other",
+    )
+    (tmp_path / "bare").mkdir()  # checkpoints without the run's config.json: the command line alone, as before
+    out = runner.invoke(main, ["train", "--resume", str(tmp_path / "bare")])
+    assert out.exit_code == 0 and (seen[-1].model, seen[-1].codec, seen[-1].log_dir) == ("wrn", "none", None)
+
+
 def _losses(log) -> list[float]:
     return [float(row["loss"]) for row in metrics_rows(log)]
 
