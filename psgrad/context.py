@@ -189,7 +189,10 @@ class RunContext:
         ctx.resume = ctx._load_resume()
         ctx.start = int(ctx.resume["step"]) if ctx.resume else 0
         if ctx.start >= total:
-            raise ValueError(f"--resume is at step {ctx.start}, nothing left of {total} steps")
+            raise checkpoint.CheckpointError(
+                f"--resume {cfg.resume} is at step {ctx.start}, nothing left of {total} steps: to train on, give "
+                f"--steps (or --epochs) beyond it, e.g. --steps {ctx.start + total}"
+            )
         ctx._announce(model_fn is None)
         return ctx
 

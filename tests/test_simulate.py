@@ -174,7 +174,8 @@ def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, top
 def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     """`psgrad simulate --resume D/ckpt-step3 --steps 6` continues D's run with its own settings and
     logs into D (each step once, the model of the uninterrupted run); resuming with --feedback none
-    is one error that names the changed setting, not a traceback from deep in the worker."""
+    is one error that names the changed setting, not a traceback from deep in the worker; resuming
+    a finished run says how to train on."""
     run = tmp_path / "run"
     first = ["simulate", "--workers", "2", "--model", "mlp", "--batch-size", "8", "--steps", "6"]
     first += ["--checkpoint-every", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
@@ -191,8 +192,12 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     misfit = CliRunner().invoke(main, [*again[:-3], "--steps", "9", "--feedback", "none", "--no-progress"])
     assert misfit.exit_code == 1
     assert "does not fit this run's settings" in misfit.stderr and "--feedback ef -> none" in misfit.stderr
+    assert "Traceback" not in misfit.stderr  # the one line says it all
     assert json.loads((run / "config.json").read_text())["feedback"] == "ef"  # the failed resume changed nothing
     assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
+    done_already = CliRunner().invoke(main, ["simulate", "--workers", "2", "--resume", str(run), "--no-progress"])
+    assert done_already.exit_code == 1 and "nothing left of 6 steps" in done_already.stderr
+    assert "--steps 12" in done_already.stderr and "Traceback" not in done_already.stderr
 
 
 def test_world_size_adds_the_servers_of_the_ps_topology():
