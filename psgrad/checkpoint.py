@@ -107,6 +107,11 @@ def resolve(resume: str | Path) -> Path:
     return max(complete)[1]
 
 
+def written_ranks(resume: str | Path) -> int:
+    """How many ranks wrote the checkpoint ``--resume`` names (CheckpointError if there is none)."""
+    return _marker(resolve(resume))["ranks"]
+
+
 def run_dir(resume: str | Path | None) -> Path | None:
     """The log dir of the run ``--resume`` continues (``resume`` itself, or the parent of a
     ``ckpt-stepN``) when its ``config.json`` is there; None otherwise."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -173,6 +174,7 @@ def _train(role: str | None, options: dict) -> None:
 
     cfg = run_settings(options)
     _require_data(cfg)
+    _require_resumable(cfg, world_size(), lambda ranks: f"start mpiexec -n {ranks}")
     try:
         layout = RankLayout(world_size(), cfg.servers, cfg.topology)
     except ValueError as err:
@@ -197,6 +199,24 @@ def _train(role: str | None, options: dict) -> None:
     run(cfg)
     if goodbyes_held():  # a sentinel waits (a job of more than one rank): MPI_Finalize, then goodbye
         finalize()
+
+
+def _require_resumable(cfg, ranks: int, fix: Callable[[int], str]) -> None:
+    """With --resume: a missing or incomplete checkpoint, or one written by another number of
+    ranks, is a usage error said once, before any rank builds a model (``fix(ranks written)`` says
+    how to start the job instead)."""
+    from . import checkpoint
+
+    if not cfg.resume:
+        return
+    try:
+        written = checkpoint.written_ranks(cfg.resume)
+    except checkpoint.CheckpointError as err:
+        raise click.UsageError(str(err)) from None
+    if written != ranks:
+        raise click.UsageError(
+            f"--resume {cfg.resume}: its checkpoint was written by {written} ranks, this job has {ranks}: {fix(written)}"
+        )
 
 
 def _require_data(cfg) -> None:
@@ -275,9 +295,11 @@ def simulate(workers: int, cores: int | None, stack: bool | None, **options) -> 
     cfg = run_settings(options)
     _require_data(cfg)
     try:
-        world_size(cfg, workers)
+        size = world_size(cfg, workers)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
+    servers = size - workers
+    _require_resumable(cfg, size, lambda ranks: f"simulate --workers {ranks - servers}")
     try:
         run_simulation(cfg, workers, cores=cores, stack=stack)
     except Exception:  # the failing rank printed its error and traceback (train.run)

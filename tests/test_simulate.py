@@ -175,7 +175,8 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     """`psgrad simulate --resume D/ckpt-step3 --steps 6` continues D's run with its own settings and
     logs into D (each step once, the model of the uninterrupted run); resuming with --feedback none
     is one error that names the changed setting, not a traceback from deep in the worker; resuming
-    a finished run says how to train on."""
+    a finished run says how to train on; another number of workers, or no checkpoint, is a usage
+    error before any rank starts."""
     run = tmp_path / "run"
     first = ["simulate", "--workers", "2", "--model", "mlp", "--batch-size", "8", "--steps", "6"]
     first += ["--checkpoint-every", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
@@ -195,6 +196,11 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     assert "Traceback" not in misfit.stderr  # the one line says it all
     assert json.loads((run / "config.json").read_text())["feedback"] == "ef"  # the failed resume changed nothing
     assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
+    more = CliRunner().invoke(main, ["simulate", "--workers", "3", "--resume", str(run)])  # one usage error, early
+    assert more.exit_code == 2 and "written by 3 ranks, this job has 4: simulate --workers 2" in more.output
+    (tmp_path / "empty").mkdir()
+    nothing = CliRunner().invoke(main, ["simulate", "--workers", "2", "--resume", str(tmp_path / "empty")])
+    assert nothing.exit_code == 2 and "no complete checkpoint" in nothing.output
     done_already = CliRunner().invoke(main, ["simulate", "--workers", "2", "--resume", str(run), "--no-progress"])
     assert done_already.exit_code == 1 and "nothing left of 6 steps" in done_already.stderr
     assert "--steps 12" in done_already.stderr and "Traceback" not in done_already.stderr
