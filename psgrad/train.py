@@ -139,6 +139,8 @@ def _load_state(role, ctx: RunContext) -> None:
     topology than the run that wrote it), a CheckpointError names the settings that changed."""
     try:
         role.load_state_dict(ctx.resume)
+    except PeerFailure:  # another rank's failure, not this checkpoint's
+        raise
     except (ValueError, KeyError, RuntimeError) as err:
         changed = checkpoint.changed_settings(ctx.cfg.resume, asdict(ctx.cfg))
         since = f"; changed since the run that wrote it: {', '.join(changed)}" if changed else ""
