@@ -474,8 +474,11 @@ def test_resume_takes_the_settings_of_the_run_it_continues(tmp_path, monkeypatch
     monkeypatch.setattr(transport, "world_size", lambda: 3)
     monkeypatch.setattr(transport, "world_rank", lambda: 0)
     monkeypatch.setattr(psgrad.train, "run", seen.append)
+    from psgrad import checkpoint
+
     run = tmp_path / "run"
     (run / "ckpt-step4").mkdir(parents=True)
+    checkpoint.mark_complete(run / "ckpt-step4", 4, 3)  # of 3 ranks, as the job
     RunConfig(model="mlp", codec="sign", feedback="ef", steps=8, log_dir="relative/elsewhere").save(run)
     runner = CliRunner()
     for resume in (run, run / "ckpt-step4"):
@@ -490,7 +493,8 @@ def test_resume_takes_the_settings_of_the_run_it_continues(tmp_path, monkeypatch
         "ef",
         "other",
     )
-    (tmp_path / "bare").mkdir()  # checkpoints without the run's config.json: the command line alone, as before
+    (tmp_path / "bare" / "ckpt-step2").mkdir(parents=True)  # without the run's config.json: the command line alone
+    checkpoint.mark_complete(tmp_path / "bare" / "ckpt-step2", 2, 3)
     out = runner.invoke(main, ["train", "--resume", str(tmp_path / "bare")])
     assert out.exit_code == 0 and (seen[-1].model, seen[-1].codec, seen[-1].log_dir) == ("wrn", "none", None)
 
