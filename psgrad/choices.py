@@ -1,5 +1,5 @@
-"""The names a user chooses among on the command line (models, datasets, feedback, layouts,
-non-finite policies), without importing torch: ``psgrad --help`` and its usage errors stay
+"""The names a user chooses among on the command line (models, datasets, feedback memories,
+memory formats, non-finite policies), without importing torch: ``psgrad --help`` and its usage errors stay
 quick. The modules that implement each choice import its names from here; ``psgrad.models``
 checks that it builds exactly ``MODEL_NAMES``.
 """

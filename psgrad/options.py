@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import checkpoint
-from .choices import DATASETS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
+from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
 from .comm.layout import TOPOLOGIES
 from .config import RunConfig
 
@@ -72,7 +72,7 @@ RUN_OPTIONS = [
     (
         "--feedback",
         "feedback",
-        click.Choice(["none", "ef", "dgc"]),
+        click.Choice(list(FEEDBACKS)),
         "Worker-side memory around the codec: error feedback or DGC.",
     ),
     (
