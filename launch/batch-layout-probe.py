@@ -16,7 +16,12 @@ images), and that so does a fourth way to the weight gradients (one grouped forw
 - whole forward and backward passes, in alternating rounds: the lone worker on N x B images, the
   batch layout, and psgrad's stacked pass (``psgrad.stacked.StackedPass``).
 
-    .venv/bin/python launch/batch-layout-probe.py [--workers 16] [--batch-size 8] [--rounds 16]
+With ``--two-cores`` (session 22) it times instead what two cores could do: the lone worker on two
+torch threads against the workers split into two halves, each half's pass on a thread of its own
+(one torch thread each, so the halves run side by side): batch layout, stacked pass, and, as the
+bound no per-worker split can beat, a plain pass on each half's images.
+
+    .venv/bin/python launch/batch-layout-probe.py [--workers 16] [--batch-size 8] [--rounds 16] [--two-cores]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import copy
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -273,14 +279,92 @@ def time_passes(workers: int, size: int, rounds: int) -> None:
         print(f"{name}: {statistics.median(spent[name]):.1f} ms, {ratio:.3f}x the lone worker (median per round)")
 
 
+def time_two_cores(workers: int, size: int, rounds: int) -> None:
+    """The lone worker on two threads against two halves of the workers side by side."""
+    torch.manual_seed(0)
+    model = wrn()
+    images, labels = batch(workers * size)
+    half = workers // 2
+    halves = []
+    for part, part_labels in zip(images.chunk(2), labels.chunk(2), strict=True):
+        part = part.contiguous(memory_format=CHANNELS_LAST)
+        stacked_models = [copy.deepcopy(model) for _ in range(half)]
+        halves.append(
+            {
+                "images": part,
+                "labels": part_labels,
+                "spread": batch_layout(model, half),
+                "stacked_models": stacked_models,
+                "stacked": StackedPass(stacked_models),
+                "plain": copy.deepcopy(model),
+            }
+        )
+
+    def clear(modules) -> None:
+        for module in modules:
+            for p in module.parameters():
+                p.grad = None
+
+    def along_the_batch(h: dict) -> None:
+        clear([h["spread"]])
+        F.cross_entropy(h["spread"](h["images"]), h["labels"], reduction="sum").div(size).backward()
+
+    def stacked_pass(h: dict) -> None:
+        clear(h["stacked_models"])
+        parts = [x.contiguous(memory_format=CHANNELS_LAST) for x in h["images"].chunk(half)]
+        h["stacked"].run(parts, list(h["labels"].chunk(half)), F.cross_entropy)
+
+    def plain_pass(h: dict) -> None:
+        clear([h["plain"]])
+        F.cross_entropy(h["plain"](h["images"]), h["labels"]).backward()
+
+    def lone() -> None:
+        clear([model])
+        F.cross_entropy(model(images), labels).backward()
+
+    pool = ThreadPoolExecutor(2)
+
+    def side_by_side(way):
+        return lambda: list(pool.map(way, halves))
+
+    ways = {
+        "lone worker, 2 threads": (2, lone),
+        "halves side by side, batch layout": (1, side_by_side(along_the_batch)),
+        "halves side by side, stacked pass": (1, side_by_side(stacked_pass)),
+        "halves side by side, plain pass (the bound)": (1, side_by_side(plain_pass)),
+    }
+
+    def time_rounds(count: int) -> dict[str, list[float]]:
+        spent: dict[str, list[float]] = {name: [] for name in ways}
+        for _ in range(count):
+            for name, (threads, way) in ways.items():
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                way()
+                spent[name].append((time.perf_counter() - start) * 1e3)
+        return spent
+
+    time_rounds(2)  # warm-up
+    spent = time_rounds(rounds)
+    alone = spent["lone worker, 2 threads"]
+    print(f"lone worker on {workers * size} images, 2 threads: {statistics.median(alone):.1f} ms")
+    for name, values in list(spent.items())[1:]:
+        ratio = statistics.median(b / a for a, b in zip(alone, values, strict=True))
+        print(f"{name}: {statistics.median(values):.1f} ms, {ratio:.3f}x the lone worker (median per round)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=16, help="simulated workers")
     parser.add_argument("--batch-size", type=int, default=8, help="images per worker")
     parser.add_argument("--rounds", type=int, default=16, help="alternating rounds of every timing")
+    parser.add_argument("--two-cores", action="store_true", help="time two halves side by side instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     keep_freed_memory()
+    if args.two_cores:
+        time_two_cores(args.workers, args.batch_size, args.rounds)
+        return
     check()
     time_weight_gradients(args.workers, args.batch_size, args.rounds)
     time_passes(args.workers, args.batch_size, args.rounds)
