@@ -275,16 +275,17 @@ def worker(**options) -> None:
 )
 @click.option(
     "--stack/--no-stack",
-    default=None,
-    help="Compute every worker's forward and backward in one pass of one stacked model (grouped "
-    "convolutions, batched matrix products), not one small pass per worker: the same gradients, "
-    "rounded differently. Models with layers it cannot stack fall back to one pass per worker, with a note. "
-    "[default: stacked when the ranks have one core (--cores 1 or a 1-core machine), where it measured "
-    "faster; one pass per worker with more, where the ranks compute in parallel]",
+    default=True,
+    show_default=True,
+    help="Compute the workers' forwards and backwards as passes of stacked models (grouped "
+    "convolutions, batched matrix products), one group of workers per core (--cores), the groups side "
+    "by side, not one small pass per worker: the same gradients, rounded differently (--no-stack "
+    "reproduces an MPI run bit for bit). Models with layers it cannot stack fall back to one pass per "
+    "worker, with a note.",
 )
 @run_options
 @config_option
-def simulate(workers: int, cores: int | None, stack: bool | None, **options) -> None:
+def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
     from .simulate import simulate as run_simulation
     from .simulate import world_size

@@ -32,11 +32,13 @@ in eval mode on that batch, that the stacked model computes each model's output:
 from __future__ import annotations
 
 import copy
+import functools
 import queue
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -291,7 +293,7 @@ class StackedPass:
 
 
 class StackedWorkers:
-    """The simulated workers' forward and backward, one ``StackedPass`` for all of them.
+    """The simulated workers' forward and backward, in ``groups`` stacked passes side by side.
 
     1. Each worker joins with its model and loss function as it sets up (``member(rank).join``).
     2. Each step every worker hands in its batch (``run``) and sleeps; the last to come hands the
@@ -302,22 +304,35 @@ class StackedWorkers:
        faulted in its activations afresh most steps (8,000–10,000 page faults a step for 16
        workers of WRN-10-1, against 300 without stacking; a median pass of 418 ms against 351
        with every thread on the main arena, MALLOC_ARENA_MAX=1).
-    3. The first pass builds and checks the stacked model. If the models cannot be stacked
+    3. The first pass builds and checks the stacked models. If the models cannot be stacked
        (``StackError``), the simulation says why once and every worker computes its own from then
        on; a step whose batches differ in shape is computed one worker at a time.
+    4. With ``groups`` > 1 (one per core) the workers, in rank order, are split into that many
+       stacked models of nearly equal size. When the closing worker holds a core for each, they
+       run at once, one torch thread each: group 0 on the serving thread, the others on helper
+       threads that live as long as the simulation (so each keeps its own malloc arena warm);
+       otherwise one after another. Why: the lone worker gains only 1.5–1.7x from a second torch
+       thread, two passes side by side nearly 2x (docs/benchmarks.md, issue #15, session 22).
     """
 
-    def __init__(self, meeting: Meeting) -> None:
+    def __init__(self, meeting: Meeting, groups: int = 1) -> None:
         self.meeting = meeting
+        self.groups = max(1, min(groups, meeting.members))
         self.joined: dict[int, tuple[nn.Module, Callable]] = {}
-        self.stacked: StackedPass | None = None
+        self.stacked: list[StackedPass] | None = None
         self.refused: str | None = None
         self.passes: queue.SimpleQueue[tuple[Future, dict, int]] = queue.SimpleQueue()
+        self.helpers = (
+            ThreadPoolExecutor(self.groups - 1, thread_name_prefix="psgrad-stacked") if self.groups > 1 else None
+        )
 
     def close(self, reason: str) -> None:
-        """Fail the passes handed in that nobody will run (the simulation was interrupted)."""
+        """Fail the passes handed in that nobody will run (the simulation was interrupted or ended)
+        and let the helper threads go."""
         while not self.passes.empty():
-            self.passes.get().set_exception(RuntimeError(reason))
+            self.passes.get()[0].set_exception(RuntimeError(reason))
+        if self.helpers is not None:
+            self.helpers.shutdown(wait=False)
 
     def serve(self, timeout: float) -> None:
         """Run the pass a worker handed in, if one comes within ``timeout`` seconds (the thread
@@ -351,22 +366,49 @@ class StackedWorkers:
 
     def _compute(self, parts: dict, threads: int) -> tuple[dict[int, float], float] | None:
         """Every worker's loss by rank and the pass's seconds, or None: each computes its own."""
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        side_by_side = self.groups > 1 and threads >= self.groups
+        threads_each = threads // self.groups if side_by_side else threads
+        if torch.get_num_threads() != threads_each:
+            torch.set_num_threads(threads_each)
         start = time.perf_counter()
         try:
             if self.stacked is None:
-                self.stacked = StackedPass([self.joined[rank][0] for rank in parts])
-            losses = self.stacked.run(
-                [images for images, _ in parts.values()], [labels for _, labels in parts.values()],
-                self.joined[next(iter(parts))][1],
-            )  # fmt: skip
+                self.stacked = [StackedPass([self.joined[rank][0] for rank in group]) for group in self._split(parts)]
+            loss_fn = self.joined[next(iter(parts))][1]
+            runs = [
+                functools.partial(self._run_group, stacked, [parts[rank] for rank in group], loss_fn)
+                for stacked, group in zip(self.stacked, self._split(parts), strict=True)
+            ]
+            if side_by_side:
+                assert self.helpers is not None
+                others = [self.helpers.submit(run) for run in runs[1:]]
+                try:
+                    losses = runs[0]()
+                finally:  # no helper may still be writing gradients when this returns
+                    futures.wait(others)
+                losses += [loss for other in others for loss in other.result()]
+            else:
+                losses = [loss for run in runs for loss in run()]
             return dict(zip(parts, losses, strict=True)), time.perf_counter() - start
         except StackError as err:
-            if self.stacked is None or not self.stacked.checked:
+            for rank in parts:  # a group that ran before another failed has set its gradients
+                for param in self.joined[rank][0].parameters():
+                    param.grad = None
+            if self.stacked is None or not all(stacked.checked for stacked in self.stacked):
                 self.refused = str(err)
                 print(f"[psgrad] note: each worker computes on its own: {err}", file=sys.stderr)
             return None
+
+    def _split(self, parts: dict) -> list[list[int]]:
+        """The workers' ranks in ``self.groups`` runs of nearly equal length, in rank order."""
+        ranks = list(parts)
+        size, extra = divmod(len(ranks), self.groups)
+        bounds = [i * size + min(i, extra) for i in range(self.groups + 1)]
+        return [ranks[bounds[i] : bounds[i + 1]] for i in range(self.groups)]
+
+    @staticmethod
+    def _run_group(stacked: StackedPass, parts: list, loss_fn: Callable) -> list[float]:
+        return stacked.run([images for images, _ in parts], [labels for _, labels in parts], loss_fn)
 
 
 class StackedMember:

@@ -90,14 +90,15 @@ def test_a_model_that_does_not_stack_trains_one_pass_per_worker_as_without_stack
         assert torch.equal(stacked[1].params[name], value), name
 
 
-def test_by_default_only_ranks_with_one_core_stack(capfd):
-    """The stacked pass measured faster on one core only: with two, each worker computes its own
-    pass by default (ResNet-20's refusal note shows whether stacking was tried)."""
+def test_by_default_the_ranks_stack_on_any_number_of_cores(capfd):
+    """Stacked in groups, one per core, measured faster on one core and on two (ResNet-20's
+    refusal note shows whether stacking was tried); --no-stack does not try."""
     cfg = RunConfig(model="resnet20", batch_size=4, steps=1, progress=False, timeout=60, eval_every=0)
-    simulate(cfg, 2, cores=2)
+    for cores in (1, 2):  # on two cores, two groups of two
+        simulate(cfg, 4, cores=cores)
+        assert "each worker computes on its own" in capfd.readouterr().err
+    simulate(cfg, 4, cores=2, stack=False)
     assert "each worker computes on its own" not in capfd.readouterr().err
-    simulate(cfg, 2, cores=1)
-    assert "each worker computes on its own" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated", "alltoall", "ring"])
@@ -113,6 +114,37 @@ def test_every_topology_trains_stacked_as_it_does_unstacked(topology):
     assert [r["loss"] for r in stacked[0].rows] == pytest.approx([r["loss"] for r in plain[0].rows], rel=1e-5)
     for name, value in plain[rank].params.items():
         torch.testing.assert_close(stacked[rank].params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_stacked_groups_side_by_side_train_as_unstacked(topology, monkeypatch):
+    """With two cores the stacked workers are two groups (here 2 + 1 of 3 workers), each its own
+    stacked pass, run at once: one on the serving thread, one on a helper thread. The ring's
+    workers hold different weights after the first step (the grouped convolutions, not the shared
+    ones)."""
+    import threading
+
+    import psgrad.stacked
+
+    ran_on: list[tuple[str, int]] = []
+    run = psgrad.stacked.StackedPass.run
+
+    def recorded(self, inputs, labels, loss_fn):
+        ran_on.append((threading.current_thread().name, len(inputs)))
+        return run(self, inputs, labels, loss_fn)
+
+    monkeypatch.setattr(psgrad.stacked.StackedPass, "run", recorded)
+    cfg = RunConfig(
+        model="convnet", batch_size=8, steps=3, codec="none", topology=topology, progress=False, timeout=60,
+        eval_every=0,
+    )  # fmt: skip
+    grouped = simulate(cfg, 3, cores=2, stack=True)
+    assert sorted(ran_on) == sorted([("MainThread", 2), ("psgrad-stacked_0", 1)] * 3), ran_on
+    plain = simulate(cfg, 3, cores=2, stack=False)
+    rank = len(grouped) - 1
+    assert [r["loss"] for r in grouped[0].rows] == pytest.approx([r["loss"] for r in plain[0].rows], rel=1e-5)
+    for name, value in plain[rank].params.items():
+        torch.testing.assert_close(grouped[rank].params[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_stacked_workers_saved_model_holds_only_its_own_tensors(tmp_path):

@@ -118,6 +118,34 @@ def test_batches_of_different_shapes_are_refused():
         StackedPass(_models("convnet")).run(images, labels, F.cross_entropy)
 
 
+def test_groups_side_by_side_give_every_worker_its_own_gradient_and_a_failed_group_leaves_none():
+    """Four workers in two stacked groups run at once: each worker's gradient is its own pass's.
+    When one group cannot stack its batches, the other has already set its gradients: every
+    worker must be left without one, to compute its own."""
+    from types import SimpleNamespace
+
+    models = _models("convnet", 4)
+    own = copy.deepcopy(models)
+    images, labels = _batches(4)
+    workers = stacked_module.StackedWorkers(SimpleNamespace(members=4), groups=2)
+    try:
+        for rank, model in enumerate(models):
+            workers.member(rank).join(model, F.cross_entropy)
+        parts = {rank: (images[rank], labels[rank]) for rank in range(4)}
+        losses, _ = workers._compute(parts, threads=2)
+        for rank, model in enumerate(own):
+            loss = F.cross_entropy(model(images[rank]), labels[rank])
+            loss.backward()
+            assert losses[rank] == pytest.approx(float(loss.detach()), rel=1e-12)
+            for mine, theirs in zip(models[rank].parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-9, atol=1e-12)
+        parts[3] = (images[3][:2], labels[3][:2])  # the second group's batches now differ in shape
+        assert workers._compute(parts, threads=2) is None
+        assert all(param.grad is None for model in models for param in model.parameters())
+    finally:
+        workers.close("the test ended")
+
+
 # ---------------------------------------------------------------------- the meeting
 def _meet(size: int, body) -> list:
     world = LocalWorld(size, 30.0)

@@ -11,8 +11,8 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
    speed drifted by a third within minutes, 2.6-4.0 it/s for the same loop; with glibc's default
    malloc the loop also varied from 6 to 9 it/s, its batch of 128 faulting in fresh pages each
    step, which freed memory kept, psgrad/allocator.py, ended.)
-2. Simulated: ``simulate`` with N workers of batch B (stacked into one model on one core by
-   default, ``--stack on|off`` to choose), for each row (a codec spec, optionally
+2. Simulated: ``simulate`` with N workers of batch B (stacked, one group per core, by default;
+   ``--stack on|off`` to choose), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
    (``--cores 1``: the ranks run one at a time) and once with every core (when there is more
    than one). The rate is rank 0's median step rate after the first five steps.
@@ -45,8 +45,7 @@ from .launcher import item_config
 
 WARMUP = 5
 _STACKING = {
-    None: "workers stacked into one model on 1 core, one pass per worker on more (simulate's default)",
-    True: "workers stacked into one model (--stack)",
+    True: "workers stacked, one group per core (--stack, simulate's default)",
     False: "one pass per worker (--no-stack)",
 }
 
@@ -67,7 +66,7 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     return rate, statistics.median(row["load"] for row in timed)
 
 
-def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool | None = None) -> dict:
+def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool = True) -> dict:
     """Rate, phase breakdown (ms per step) and final loss of one simulation."""
     result = simulate(cfg, workers, cores=cores, stack=stack)[0]
     rows = result.rows[WARMUP:]
@@ -103,7 +102,7 @@ def report(
     rows: dict[str, RunConfig],
     steps: int,
     base: RunConfig,
-    stack: bool | None = None,
+    stack: bool = True,
     repeat: int = 1,
 ) -> str:
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
@@ -203,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         "--stack",
         choices=["auto", "on", "off"],
         default="auto",
-        help="psgrad simulate's --stack: auto (its default: the workers stacked into one model on one core, "
-        "one pass per worker on more), on (--stack) or off (--no-stack).",
+        help="psgrad simulate's --stack: auto (its default, the same as on since 2026-11-28: the workers "
+        "stacked, one group per core), on (--stack) or off (--no-stack).",
     )
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
         parser.error(str(err))
-    stack = {"auto": None, "on": True, "off": False}[args.stack]
+    stack = args.stack != "off"
     print(report(args.workers, args.batch_size, rows, args.steps, base, stack, args.repeat))
 
 
