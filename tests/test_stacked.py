@@ -128,6 +128,7 @@ def test_groups_side_by_side_give_every_worker_its_own_gradient_and_a_failed_gro
     own = copy.deepcopy(models)
     images, labels = _batches(4)
     workers = stacked_module.StackedWorkers(SimpleNamespace(members=4), groups=2)
+    threads = torch.get_num_threads()  # a pass sets torch's (process-wide) threads
     try:
         for rank, model in enumerate(models):
             workers.member(rank).join(model, F.cross_entropy)
@@ -144,6 +145,7 @@ def test_groups_side_by_side_give_every_worker_its_own_gradient_and_a_failed_gro
         assert all(param.grad is None for model in models for param in model.parameters())
     finally:
         workers.close("the test ended")
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------- the meeting
