@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.local import Meeting
+from .comm.local import Meeting, OtherRankFailed
 from .comm.transport import Idle
 from .models.layout import in_layout, layout_of
 from .models.step import StepStart
@@ -321,16 +321,18 @@ class StackedWorkers:
         self.joined: dict[int, tuple[nn.Module, Callable]] = {}
         self.stacked: list[StackedPass] | None = None
         self.refused: str | None = None
+        self.closed: str | None = None
         self.passes: queue.SimpleQueue[tuple[Future, dict, int]] = queue.SimpleQueue()
         self.helpers = (
             ThreadPoolExecutor(self.groups - 1, thread_name_prefix="psgrad-stacked") if self.groups > 1 else None
         )
 
     def close(self, reason: str) -> None:
-        """Fail the passes handed in that nobody will run (the simulation was interrupted or ended)
-        and let the helper threads go."""
+        """Stop the ranks' passes that nobody will run (the simulation was interrupted or ended):
+        those handed in and those still to come; let the helper threads go."""
+        self.closed = reason
         while not self.passes.empty():
-            self.passes.get()[0].set_exception(RuntimeError(reason))
+            self.passes.get()[0].set_exception(OtherRankFailed(f"stopping: {reason}"))
         if self.helpers is not None:
             self.helpers.shutdown(wait=False)
 
@@ -360,7 +362,12 @@ class StackedWorkers:
         try:
             done: Future = Future()
             self.passes.put((done, parts, torch.get_num_threads() * (1 + borrowed)))
-            return done.result()
+            while True:  # in slices: a pass handed in after ``close`` drained the queue never runs
+                try:
+                    return done.result(timeout=0.2)
+                except futures.TimeoutError:
+                    if self.closed is not None:
+                        raise OtherRankFailed(f"stopping: {self.closed}") from None
         finally:
             world.return_cores(borrowed)
 

@@ -148,6 +148,33 @@ def test_groups_side_by_side_give_every_worker_its_own_gradient_and_a_failed_gro
         torch.set_num_threads(threads)
 
 
+def test_a_pass_nobody_will_run_stops_its_rank_once_the_simulation_is_closed():
+    """After Ctrl-C the serving thread no longer runs passes: a rank that hands one in, before
+    or after ``close``, stops as from another rank's failure instead of waiting for ever."""
+    import threading
+
+    workers = stacked_module.StackedWorkers(Meeting(LocalWorld(2, 30.0), 2))
+    outcomes: list = []
+
+    def hand_in() -> None:
+        try:
+            outcomes.append(workers._pass({}))
+        except OtherRankFailed as err:
+            outcomes.append(err)
+
+    before = threading.Thread(target=hand_in)
+    before.start()
+    while workers.passes.empty():
+        before.join(0.01)
+    workers.close("interrupted")
+    after = threading.Thread(target=hand_in)
+    after.start()
+    for thread in (before, after):
+        thread.join(5.0)
+        assert not thread.is_alive()
+    assert [str(err) for err in outcomes] == ["stopping: interrupted"] * 2, outcomes
+
+
 # ---------------------------------------------------------------------- the meeting
 def _meet(size: int, body) -> list:
     world = LocalWorld(size, 30.0)
