@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -69,8 +70,10 @@ def simulate(
     The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
     at a time (default: the cores this process may use); ``stack`` computes the workers' forwards
     and backwards as stacked models (``psgrad.stacked``), one group of workers per core; False: one
-    pass per worker. Raises the first error any rank hit."""
+    pass per worker. Raises the first error any rank hit. Torch's thread count, which is the
+    process's and which every rank and stacked pass sets, is the caller's again on return."""
     size = world_size(cfg, workers)
+    callers_threads = torch.get_num_threads()
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
     if stack:
         world.stacked = StackedWorkers(Meeting(world, workers), groups=world.core_count)
@@ -108,6 +111,7 @@ def simulate(
     finally:
         if world.stacked is not None:
             world.stacked.close("the simulation ended")
+        torch.set_num_threads(callers_threads)
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]

@@ -147,6 +147,27 @@ def test_stacked_groups_side_by_side_train_as_unstacked(topology, monkeypatch):
         torch.testing.assert_close(grouped[rank].params[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_simulation_gives_the_caller_back_its_torch_thread_count():
+    """Torch's thread count is the process's: each rank sets its --threads and a pass in groups one
+    per group. A Python caller that set three threads has three again afterwards, however the
+    simulation ended."""
+    threads = torch.get_num_threads()
+    cfg = RunConfig(model="convnet", batch_size=8, steps=2, codec="none", progress=False, timeout=60, eval_every=0)
+    try:
+        torch.set_num_threads(3)
+        simulate(cfg, 2, cores=2)
+        assert torch.get_num_threads() == 3
+
+        def failing_loss(out, labels):
+            raise RuntimeError("a loss that fails")
+
+        with pytest.raises(RuntimeError, match="a loss that fails"):
+            simulate(cfg, 2, cores=2, loss_fn=failing_loss)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_stacked_workers_saved_model_holds_only_its_own_tensors(tmp_path):
     """Its parameters are views into the stacked model's: model.pt must not carry all of them."""
     cfg = RunConfig(
