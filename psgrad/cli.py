@@ -6,6 +6,7 @@ errors are quick."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -301,6 +302,13 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
         raise click.UsageError(str(err)) from None
     servers = size - workers
     _require_resumable(cfg, size, lambda ranks: f"simulate --workers {ranks - servers}")
+    usable = len(os.sched_getaffinity(0))
+    if cores is not None and cores > usable:
+        click.echo(
+            f"[psgrad] note: --cores {cores} is more than the {usable} this process may use: the ranks that "
+            "compute at once will share them, each more slowly",
+            err=True,
+        )
     try:
         run_simulation(cfg, workers, cores=cores, stack=stack)
     except Exception:  # the failing rank printed its error and traceback (train.run)

@@ -371,6 +371,23 @@ def test_ranks_that_all_wait_for_each_other_are_stopped():
     assert all(isinstance(err, (Stalled, OtherRankFailed)) for err in out)
 
 
+def test_more_cores_than_the_process_may_use_are_run_with_a_note(monkeypatch):
+    """--cores above the cores this process may use is honoured (the ranks share them) and said."""
+    import psgrad.simulate
+
+    asked: list = []
+    monkeypatch.setattr(psgrad.simulate, "simulate", lambda cfg, workers, cores, stack: asked.append(cores))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    options = ["simulate", "--workers", "4", "--model", "convnet", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--cores", "3"])
+    assert done.exit_code == 0, done.output
+    assert "--cores 3 is more than the 2 this process may use" in done.stderr
+    for fits in (["--cores", "2"], []):
+        done = CliRunner().invoke(main, [*options, *fits])
+        assert done.exit_code == 0 and "note" not in done.stderr, done.stderr
+    assert asked == [3, 2, None]
+
+
 def test_the_cli_refuses_to_run_under_mpiexec():
     done = run_bounded([sys.executable, "-m", "psgrad", "simulate", "--steps", "1"], 60, env={"PMI_SIZE": "2"})
     assert done.returncode == 2 and "without mpiexec" in done.stderr
