@@ -290,7 +290,7 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
     from .simulate import simulate as run_simulation
     from .simulate import world_size
-    from .startup import launched_ranks
+    from .startup import AgreementError, launched_ranks
 
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
@@ -311,6 +311,8 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
         )
     try:
         run_simulation(cfg, workers, cores=cores, stack=stack)
+    except AgreementError:  # a usage error, printed once: exit 2 as under mpiexec
+        raise
     except Exception:  # the failing rank printed its error and traceback (train.run)
         sys.exit(1)
 

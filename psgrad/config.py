@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -259,9 +260,25 @@ class RunConfig:
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return path
 
-    def log_dir_in_use(self) -> str | None:
-        """Why this run may not write into its log dir (a run is there already), or None."""
-        if not self.log_dir or self.resume or self.overwrite:
+    def log_dir_problem(self) -> str | None:
+        """Why this run may not write into its log dir, or None.
+
+        1. The directory is made (with its parents) if it is not there: a path that cannot be one
+           (a file on the way, no permission, a read-only file system) is said now, before any
+           rank builds a model, not as a traceback once training would start.
+        2. It must be writable.
+        3. A run is there already, and neither --resume nor --overwrite was given."""
+        if not self.log_dir:
+            return None
+        if Path(self.log_dir).exists() and not Path(self.log_dir).is_dir():
+            return f"--log-dir {self.log_dir} is a file, not a directory"
+        try:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return f"--log-dir {self.log_dir} cannot be made: {err.strerror or err}"
+        if not os.access(self.log_dir, os.W_OK | os.X_OK):
+            return f"--log-dir {self.log_dir} is not writable"
+        if self.resume or self.overwrite:
             return None
         there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
         if not there:

@@ -231,7 +231,7 @@ RUN_OPTIONS = [
         "--log-dir",
         "log_dir",
         click.Path(file_okay=False),
-        "Write config.json, metrics.csv, eval.csv (and checkpoints) here.",
+        "Write config.json, metrics.csv, eval.csv (and checkpoints) here; made if missing, and one that cannot be made or written is refused before training starts.",
     ),
     (
         "--eval-every",

@@ -68,7 +68,7 @@ def run(
             f"psgrad will not evaluate your model on the {cfg.dataset} test set"
         )
     transport = transport or Transport()
-    agree(transport, cfg, cfg.log_dir_in_use() if transport.rank == 0 else None)
+    agree(transport, cfg, cfg.log_dir_problem() if transport.rank == 0 else None)
     if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:
         checkpoint.clear_run(cfg.log_dir)  # before any rank can write into it (the next collective)
     where: dict = {}
