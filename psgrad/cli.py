@@ -468,6 +468,10 @@ def bench(
         options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
     cfg = config_from(options)
     specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
+    if not specs and not baselines:
+        raise click.BadParameter(
+            "no rows to measure: give at least one codec spec (or --baselines)", param_hint="--codecs"
+        )
     for item in specs + baselines:
         try:
             bench_module.item_config(item, cfg)

@@ -106,6 +106,9 @@ def test_bad_bench_options():
     assert proc.returncode == 2 and "unknown baseline" in proc.stderr
     proc = _launcher(["--bandwidth", "fast"])
     assert proc.returncode == 2 and "100mbit" in proc.stderr
+    for empty in ("", " ; "):  # it was a ValueError traceback from max() over no rows
+        proc = _launcher(["--codecs", empty])
+        assert proc.returncode == 2 and "no rows to measure" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_hidden_share():
