@@ -79,12 +79,20 @@ def evaluate(
     return loss_sum / max(1, total), correct / max(1, total)
 
 
+def device_problem(cfg: RunConfig) -> str | None:
+    """Why a worker on this node cannot have ``cfg.device``, or None."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda but torch sees no CUDA device on this node"
+    return None
+
+
 def _device(cfg: RunConfig, local_worker: int) -> torch.device:
     """A worker's device: ``cuda:<its index among this node's workers>`` (modulo the GPUs seen)."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    problem = device_problem(cfg)
+    if problem is not None:
+        raise RuntimeError(problem)
+    if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but torch sees no CUDA device on this node")
     return torch.device("cuda", local_worker % torch.cuda.device_count())
 
 

@@ -23,7 +23,7 @@ from .comm.layout import RankLayout
 from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
-from .context import LossFn, RunContext
+from .context import LossFn, RunContext, device_problem
 from .optim import OptimizerFn
 from .roles import ROLES
 from .startup import agree
@@ -68,7 +68,8 @@ def run(
             f"psgrad will not evaluate your model on the {cfg.dataset} test set"
         )
     transport = transport or Transport()
-    agree(transport, cfg, cfg.log_dir_problem() if transport.rank == 0 else None)
+    layout = RankLayout(transport.size, cfg.servers, cfg.topology)
+    agree(transport, cfg, _rank_problem(cfg, transport.rank, layout))
     if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:
         checkpoint.clear_run(cfg.log_dir)  # before any rank can write into it (the next collective)
     where: dict = {}
@@ -77,7 +78,6 @@ def run(
         role = where.get("role")
         return Report(role.doing if role else "setting up", where.get("slowest", 0.0))
 
-    layout = RankLayout(transport.size, cfg.servers, cfg.topology)
     watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
     try:
         result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where)
@@ -94,6 +94,13 @@ def run(
         raise
     watchdog.stop()
     return result
+
+
+def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
+    """What stops this rank before anything is built: rank 0's log dir, a worker's device."""
+    if rank == 0 and (problem := cfg.log_dir_problem()) is not None:
+        return problem
+    return device_problem(cfg) if layout.is_worker(rank) else None
 
 
 def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: Transport, where: dict) -> RunResult:

@@ -408,6 +408,16 @@ def test_a_log_dir_that_cannot_be_written_is_a_usage_error_said_once(tmp_path, m
     assert done.exit_code == 2 and done.stderr.count("holds a run already") == 1, done.output
 
 
+def test_device_cuda_without_a_gpu_is_a_usage_error_said_once(monkeypatch):
+    """It was a RuntimeError and a traceback from every worker rank while setting up."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    options = ["simulate", "--workers", "2", "--model", "convnet", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--device", "cuda"])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.count("usage error: --device cuda but torch sees no CUDA device") == 1, done.stderr
+    assert "Traceback" not in done.stderr and "simulated in one process" not in done.stderr
+
+
 def test_the_cli_refuses_to_run_under_mpiexec():
     done = run_bounded([sys.executable, "-m", "psgrad", "simulate", "--steps", "1"], 60, env={"PMI_SIZE": "2"})
     assert done.returncode == 2 and "without mpiexec" in done.stderr
