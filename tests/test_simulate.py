@@ -446,3 +446,11 @@ def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):
         main(["--codecs", "none;sign --granularity tensor"])
     assert exit_info.value.code == 2
     assert "--granularity" in capsys.readouterr().err
+    for bad, said in [  # a ZeroDivisionError, an --accumulate message and an empty report before
+        (["--workers", "0"], "--workers and --batch-size must be at least 1"),
+        (["--batch-size", "0"], "--workers and --batch-size must be at least 1"),
+        (["--codecs", " ; "], "--codecs has no rows to simulate"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(bad)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err

@@ -210,11 +210,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.workers < 1 or args.batch_size < 1:
+        parser.error("--workers and --batch-size must be at least 1")
     base = RunConfig(
         model=args.model, depth=10, widen_factor=1, batch_size=args.batch_size, steps=args.steps,
         dataset="synthetic", progress=False, eval_every=0,
     )  # fmt: skip
     items = [item.strip() for item in args.codecs.split(";") if item.strip()]
+    if not items:
+        parser.error("--codecs has no rows to simulate")
     try:
         rows = {item: item_config(item, base)[1] for item in items}  # every row checked before measuring
     except ValueError as err:
