@@ -68,6 +68,23 @@ def main() -> None:
     """psgrad: data-parallel training through a parameter server whose every gradient is encoded."""
 
 
+def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file's folder is made (or refused) now: a measurement of minutes must not end
+    unable to write its result. '-' (standard output) passes."""
+    if value is None or value == "-":
+        return value
+    folder = Path(value).parent
+    if folder.exists() and not folder.is_dir():
+        raise click.BadParameter(f"{value}: {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise click.BadParameter(f"{value}: its folder cannot be made: {err.strerror or err}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{value}: its folder {folder} is not writable")
+    return value
+
+
 def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
     from .bench import codecbench
     from .codecs import make_codec
@@ -97,7 +114,7 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     "--sizes",
     default="256K,4M,16M",
     callback=_sizes,
-    help="Gradient sizes in fp32 elements, comma-separated (K and M are 2^10 and 2^20); one table each.",
+    help="Gradient sizes in fp32 elements, comma-separated (K and M are 2^10 and 2^20; at most 2048M, the most one message may carry); one table each.",
 )
 @click.option(
     "--model",
@@ -122,7 +139,8 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     "json_path",
     type=click.Path(dir_okay=False, allow_dash=True),
     default=None,
-    help="Also write the rows (and the machine) as JSON here, as bench's --json does; '-' prints them instead of tables.",
+    callback=_output_file,
+    help="Also write the rows (and the machine) as JSON here, as bench's --json does; '-' prints them instead of tables (a file's folder is made before measuring).",
 )
 def codecs(
     sizes: tuple[int, ...],
@@ -319,14 +337,21 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
 
 @main.command()
 @click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", default="psgrad.png", type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option(
+    "-o",
+    "--output",
+    default="psgrad.png",
+    type=click.Path(dir_okay=False),
+    callback=_output_file,
+    help="PNG file to write (its folder is made if missing).",
+)
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
-    from .plot import plot_runs
+    from .plot import MetricsFileError, plot_runs
 
     try:
         path = plot_runs([Path(d) for d in log_dirs], Path(output))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, MetricsFileError) as err:
         raise click.UsageError(str(err)) from None
     click.echo(f"wrote {path}")
 
@@ -413,10 +438,20 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--powersgd-rank", type=click.IntRange(min=1), default=2, help="Rank of the ddp-powersgd baseline's factors."
 )
 @click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the rows as a JSON list here."
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_output_file,
+    help="Write the rows as a JSON list here (its folder is made before measuring).",
 )
 @click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a bar chart of it/s here (PNG)."
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_output_file,
+    help="Write a bar chart of it/s here (PNG; its folder is made before measuring).",
 )
 @click.option(
     "--wide", is_flag=True, help="Also print overlap, server CPU, the ideal rate and the time breakdown per step."

@@ -7,23 +7,42 @@ import json
 from pathlib import Path
 
 
-def _read(path: Path) -> list[dict[str, float]]:
+class MetricsFileError(ValueError):
+    """A metrics.csv or eval.csv that is not what a psgrad run writes."""
+
+
+def _read(path: Path, needed: tuple[str, ...]) -> list[dict[str, float]]:
+    """The rows of a run's CSV file as numbers (the ``dataset`` label aside); [] if it is not
+    there. Raises ``MetricsFileError`` naming the file and line when a ``needed`` column is
+    missing or a value is not a number."""
     if not path.is_file():
         return []
     with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [name for name in needed if name not in (reader.fieldnames or [])]
+        if missing:
+            raise MetricsFileError(f"{path}: missing column(s) {', '.join(missing)} (is it a psgrad run's file?)")
         rows = []
-        for row in csv.DictReader(f):
-            rows.append({k: float(v) for k, v in row.items() if k != "dataset" and v not in ("", None)})
+        for row in reader:
+            try:
+                rows.append({k: float(v) for k, v in row.items() if k != "dataset" and v not in ("", None)})
+            except (TypeError, ValueError):
+                raise MetricsFileError(f"{path}, line {reader.line_num}: a value is not a number") from None
         return rows
 
 
 def run_label(log_dir: Path) -> str:
+    """The codec (and feedback) of the run's config.json and the folder's name; the name alone
+    when there is no readable config.json."""
     config = log_dir / "config.json"
-    if config.is_file():
+    try:
         cfg = json.loads(config.read_text())
-        fb = f"+{cfg['feedback']}" if cfg.get("feedback", "none") != "none" else ""
-        return f"{cfg.get('codec', '?')}{fb} ({log_dir.name})"
-    return log_dir.name
+    except (OSError, ValueError):
+        return log_dir.name
+    if not isinstance(cfg, dict):
+        return log_dir.name
+    fb = f"+{cfg['feedback']}" if cfg.get("feedback", "none") != "none" else ""
+    return f"{cfg.get('codec', '?')}{fb} ({log_dir.name})"
 
 
 def plot_runs(log_dirs: list[Path], out: Path) -> Path:
@@ -36,10 +55,12 @@ def plot_runs(log_dirs: list[Path], out: Path) -> Path:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), squeeze=False)
     xs = (("step", "step", 1.0), ("wall", "wall time (s)", 1.0), ("mb", "MB sent (up+down, cumulative)", 1e-6))
     for log_dir in log_dirs:
-        metrics = _read(log_dir / "metrics.csv")
+        metrics = _read(log_dir / "metrics.csv", ("step", "loss", "wall"))
         if not metrics:
+            if (log_dir / "metrics.csv").is_file():
+                raise MetricsFileError(f"{log_dir / 'metrics.csv'}: no steps logged yet")
             raise FileNotFoundError(f"{log_dir}: no metrics.csv (was it a psgrad --log-dir?)")
-        evals = _read(log_dir / "eval.csv")
+        evals = _read(log_dir / "eval.csv", ("step", "test_acc"))
         sent = 0.0
         for row in metrics:
             sent += row.get("bytes_up", 0) + row.get("bytes_down", 0)

@@ -101,7 +101,11 @@ def test_open_mpi_as_root_gets_its_root_flags(tmp_path, monkeypatch, banner, uid
     assert not launcher.is_open_mpi(str(tmp_path / "missing"))
 
 
-def test_bad_bench_options():
+def test_bad_bench_options(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for option in ("--json", "--plot"):  # refused before minutes of measuring, not after
+        proc = _launcher([option, str(tmp_path / "a-file" / "out")])
+        assert proc.returncode == 2 and "a-file is a file, not a folder" in proc.stderr, proc.stderr[-2000:]
     proc = _launcher(["--baselines", "horovod"])
     assert proc.returncode == 2 and "unknown baseline" in proc.stderr
     proc = _launcher(["--bandwidth", "fast"])
@@ -273,6 +277,9 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     from psgrad.cli import main
 
     assert codecbench.parse_size("256K") == 1 << 18 and codecbench.parse_size("3") == 3
+    assert codecbench.parse_size("2048M") == 1 << 31
+    with pytest.raises(ValueError, match="most one message may carry"):  # it was a 400 GB allocation
+        codecbench.parse_size("2049M")
     runner = CliRunner()
     out = runner.invoke(main, ["codecs", "--sizes", "1K,8K", "--repeat", "1", "--codecs", "none;sign", "--json", "-"])
     assert out.exit_code == 0, out.output

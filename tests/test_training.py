@@ -280,6 +280,40 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
+    """Files psgrad did not write, a run with no steps yet, or an output folder that cannot be
+    made: one line and exit 2 (the first two were a KeyError and a ValueError traceback). A
+    missing output folder is made; an unreadable config.json only loses the label."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    cases = {
+        "empty": ("", "missing column(s) step, loss, wall"),
+        "foreign": ("time,value\n1,2\n", "missing column(s) step, loss, wall"),
+        "words": ("step,loss,wall\n0,1.5,1\n1,abc,2\n", "line 3: a value is not a number"),
+        "fresh": ("step,loss,wall\n", "no steps logged yet"),
+    }
+    for name, (text, said) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text(text)
+        result = CliRunner().invoke(main, ["plot", str(tmp_path / name), "-o", str(tmp_path / "out.png")])
+        assert result.exit_code == 2 and said in result.output and result.exception.__class__ is SystemExit, (
+            name,
+            result.output,
+        )
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "metrics.csv").write_text("step,loss,wall\n0,2.0,0.5\n1,1.5,1.0\n")
+    (good / "eval.csv").write_text("epoch,step,test_loss,test_acc,dataset\n1,1,1.4,0.5,synthetic\n")
+    (good / "config.json").write_text("{not json")
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(main, ["plot", str(good), "-o", str(tmp_path / "a-file" / "out.png")])
+    assert result.exit_code == 2 and "a-file is a file, not a folder" in result.output, result.output
+    result = CliRunner().invoke(main, ["plot", str(good), "-o", str(tmp_path / "new" / "out.png")])
+    assert result.exit_code == 0 and (tmp_path / "new" / "out.png").read_bytes()[:4] == b"\x89PNG", result.output
+
+
 def _tensorboard_scalars(directory):
     """{tag: [(step, value)]} from TensorBoard event files (TFRecord framing of Event protobufs)."""
     import struct

@@ -96,6 +96,8 @@ def parse_size(text: str) -> int:
     number, unit = (clean[:-1], units[clean[-1]]) if clean[-1:] in units else (clean, 1)
     if not number.isdigit() or int(number) < 1:
         raise ValueError(f"expected a size like 262144, 256K or 4M, got {text!r}")
+    if int(number) * unit > wire.MAX_ELEMENTS:
+        raise ValueError(f"{text!r} is more than {wire.MAX_ELEMENTS:,} elements, the most one message may carry")
     return int(number) * unit
 
 
