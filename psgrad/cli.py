@@ -85,6 +85,17 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def _output_option(*decls: str, allow_dash: bool = False, default: str | None = None, help: str):
+    """A file option whose folder ``_output_file`` makes (or refuses) when the command starts."""
+    return click.option(
+        *decls,
+        type=click.Path(dir_okay=False, allow_dash=allow_dash),
+        default=default,
+        callback=_output_file,
+        help=help,
+    )
+
+
 def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
     from .bench import codecbench
     from .codecs import make_codec
@@ -134,12 +145,10 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     help="Codec specs separated by ';' (e.g. 'qsgd:levels=4;topk:ratio=0.01'); default: a representative set.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="torch threads (1 = what one MPI rank uses).")
-@click.option(
+@_output_option(
     "--json",
     "json_path",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    default=None,
-    callback=_output_file,
+    allow_dash=True,
     help="Also write the rows (and the machine) as JSON here, as bench's --json does; '-' prints them instead of tables (a file's folder is made before measuring).",
 )
 def codecs(
@@ -337,14 +346,7 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
 
 @main.command()
 @click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "-o",
-    "--output",
-    default="psgrad.png",
-    type=click.Path(dir_okay=False),
-    callback=_output_file,
-    help="PNG file to write (its folder is made if missing).",
-)
+@_output_option("-o", "--output", default="psgrad.png", help="PNG file to write (its folder is made if missing).")
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
     from .plot import MetricsFileError, plot_runs
@@ -437,21 +439,9 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option(
     "--powersgd-rank", type=click.IntRange(min=1), default=2, help="Rank of the ddp-powersgd baseline's factors."
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    callback=_output_file,
-    help="Write the rows as a JSON list here (its folder is made before measuring).",
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    callback=_output_file,
-    help="Write a bar chart of it/s here (PNG; its folder is made before measuring).",
+@_output_option("--json", "json_path", help="Write the rows as a JSON list here (its folder is made before measuring).")
+@_output_option(
+    "--plot", "plot_path", help="Write a bar chart of it/s here (PNG; its folder is made before measuring)."
 )
 @click.option(
     "--wide", is_flag=True, help="Also print overlap, server CPU, the ideal rate and the time breakdown per step."
