@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import metrics_rows, run_bounded, run_local_ranks, train_runs
 
@@ -416,6 +417,42 @@ def test_device_cuda_without_a_gpu_is_a_usage_error_said_once(monkeypatch):
     assert done.exit_code == 2, done.output
     assert done.stderr.count("usage error: --device cuda but torch sees no CUDA device") == 1, done.stderr
     assert "Traceback" not in done.stderr and "simulated in one process" not in done.stderr
+
+
+def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(monkeypatch, capfd):
+    """Once less memory is left than the floor, the ranks stop at their next wait (even one whose
+    collective completed: none goes on to build its model) and simulate raises MemoryError with
+    what to change, instead of the kernel's OOM killer ending the process without a word."""
+    import psgrad.simulate
+
+    monkeypatch.setattr(psgrad.simulate, "available_memory", lambda: (100 << 20, 24 << 30))
+    steps_run = []
+
+    def counted_loss(out, labels):
+        steps_run.append(1)
+        return F.cross_entropy(out, labels)
+
+    cfg = RunConfig(model="convnet", batch_size=8, steps=2000, codec="none", progress=False, timeout=60, eval_every=0)
+    with pytest.raises(MemoryError, match="fewer --workers, a smaller model or a smaller --batch-size"):
+        simulate(cfg, 2, cores=1, loss_fn=counted_loss, stack=False)
+    assert len(steps_run) < 2 * 2000  # the two workers did not train on to the end
+    assert "[psgrad] stopping: only 0.1 GiB of the machine's 24.0 GiB of memory is left" in capfd.readouterr().err
+    assert psgrad.simulate.memory_short(3) is not None
+    monkeypatch.setattr(psgrad.simulate, "available_memory", lambda: (1 << 30, 24 << 30))  # 4 %: above 3 %
+    assert psgrad.simulate.memory_short(3) is None
+
+
+def test_a_wait_in_a_halted_simulation_raises_even_when_what_it_waits_for_has_come():
+    """``halt`` (the memory guard) stops a rank whose collective completed; ``fail`` lets it go on,
+    so that a rank with a usage error still prints it."""
+    world = LocalWorld(2)
+    world.enter(0)
+    world.fail("rank 1 failed: AgreementError")
+    assert world.wait_until(0, lambda: True) == 0.0
+    world.halt("out of memory")
+    with pytest.raises(OtherRankFailed, match="rank 1 failed"):
+        world.wait_until(0, lambda: True)
+    world.leave(0)
 
 
 def test_the_cli_refuses_to_run_under_mpiexec():

@@ -75,6 +75,7 @@ class LocalWorld:
         self.posted: dict[tuple, deque[LocalHandle]] = {}
         self.collectives: dict[tuple, _Collective] = {}  # (comm, k) -> the parts so far
         self.failure: str | None = None
+        self.halted = False  # see ``halt``
         self.progress_at = time.monotonic()
         self.polled = [0.0] * size
         self.running = set(range(size))
@@ -109,6 +110,8 @@ class LocalWorld:
         seconds slept."""
         slept = 0.0
         while True:
+            if self.halted:  # even if ``done``: no rank builds or trains any further
+                raise OtherRankFailed(f"stopping: {self.failure}")
             epoch = self.epoch[rank]
             if done():
                 return slept
@@ -144,6 +147,12 @@ class LocalWorld:
             if self.failure is None:
                 self.failure = reason
             self.notify(range(self.size))
+
+    def halt(self, reason: str) -> None:
+        """Stop every rank at its next wait, even one whose message or collective has come (``fail``
+        lets that one go on: a rank that has a usage error to print must still print it)."""
+        self.halted = True
+        self.fail(reason)
 
     def finished(self, rank: int) -> None:
         with self.lock:
