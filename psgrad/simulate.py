@@ -23,7 +23,6 @@ side (on two cores 1.1-1.3x as fast as one pass per worker, docs/benchmarks.md).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import memory
 from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
 from .config import RunConfig
@@ -41,32 +41,6 @@ from .stacked import StackedWorkers
 from .train import RunResult, run
 
 DEFAULT_STALL = 60.0
-MEMORY_FLOOR = (256 << 20, 0.03)  # stop when less than the larger of 256 MiB and 3 % of memory is left
-
-
-def available_memory() -> tuple[int, int] | None:
-    """(available, total) bytes of this machine's memory (Linux's /proc/meminfo), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) << 10, int(fields["MemTotal"].split()[0]) << 10
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def memory_short(size: int) -> str | None:
-    """Why the simulation of ``size`` ranks must stop before the kernel's OOM killer ends it
-    without a word, or None: less memory is left than ``MEMORY_FLOOR``."""
-    memory = available_memory()
-    if memory is None:
-        return None
-    available, total = memory
-    if available >= max(MEMORY_FLOOR[0], MEMORY_FLOOR[1] * total):
-        return None
-    return (
-        f"only {available / 2**30:.1f} GiB of the machine's {total / 2**30:.1f} GiB of memory is left with {size} "
-        "simulated ranks in this process: fewer --workers, a smaller model or a smaller --batch-size would fit"
-    )
 
 
 def world_size(cfg: RunConfig, workers: int) -> int:
@@ -79,6 +53,29 @@ def world_size(cfg: RunConfig, workers: int) -> int:
     if places is not None and places != size:
         raise ValueError(f"--grid {cfg.grid} has {places} places for {size} workers: simulate --workers {places}")
     return size
+
+
+class MemoryWatch:
+    """Why the simulation of ``size`` ranks must stop now, or None (``LocalWorld.memory_check``).
+
+    1. Each look notes this process's resident memory; the largest growth between two looks is
+       what the ranks may still add before the next one (a rank building a large model, say).
+    2. It is short when twice that growth would leave less than ``psgrad.memory``'s floor."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.last, self.growth = size, memory.resident(), 0
+
+    def __call__(self) -> str | None:
+        now = memory.resident()
+        self.growth, self.last = max(self.growth, now - self.last), now
+        short = memory.short_of(2 * self.growth)
+        if short is None:
+            return None
+        available, total = short
+        return (
+            f"only {memory.gib(available)} of the machine's {memory.gib(total)} of memory is left with {self.size} "
+            "simulated ranks in this process: fewer --workers, a smaller model or a smaller --batch-size would fit"
+        )
 
 
 def simulate(
@@ -102,6 +99,7 @@ def simulate(
     size = world_size(cfg, workers)
     callers_threads = torch.get_num_threads()
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
+    world.memory_check = MemoryWatch(size)
     if stack:
         world.stacked = StackedWorkers(Meeting(world, workers), groups=world.core_count)
     results: list[RunResult | None] = [None] * size
@@ -122,15 +120,12 @@ def simulate(
     threads = [threading.Thread(target=play, args=(r,), name=f"psgrad-rank-{r}", daemon=True) for r in range(size)]
     for thread in threads:
         thread.start()
-    short = None
     try:
         for thread in threads:
             while thread.is_alive():
                 # in slices: Ctrl-C reaches this thread between them, and memory is looked at
                 thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
-                if short is None and (short := memory_short(size)) is not None:
-                    print(f"[psgrad] stopping: {short}", file=sys.stderr, flush=True)
-                    world.halt(f"out of memory: {short}")
+                world.watch()
     except KeyboardInterrupt:
         world.fail("interrupted")
         if world.stacked is not None:
@@ -143,8 +138,8 @@ def simulate(
         if world.stacked is not None:
             world.stacked.close("the simulation ended")
         torch.set_num_threads(callers_threads)
-    if short is not None:
-        raise MemoryError(short)
+    if world.memory_short is not None:
+        raise MemoryError(world.memory_short)
     if errors:
         raise errors[0]
     return results  # type: ignore[return-value]

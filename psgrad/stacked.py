@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import memory
 from .comm.local import Meeting, OtherRankFailed
 from .comm.transport import Idle
 from .models.layout import in_layout, layout_of
@@ -380,6 +381,7 @@ class StackedWorkers:
         start = time.perf_counter()
         try:
             if self.stacked is None:
+                self._check_room([self.joined[rank][0] for rank in parts])
                 self.stacked = [StackedPass([self.joined[rank][0] for rank in group]) for group in self._split(parts)]
             loss_fn = self.joined[next(iter(parts))][1]
             runs = [
@@ -405,6 +407,22 @@ class StackedWorkers:
                 self.refused = str(err)
                 print(f"[psgrad] note: each worker computes on its own: {err}", file=sys.stderr)
             return None
+
+    @staticmethod
+    def _check_room(models: list[nn.Module]) -> None:
+        """Raise ``StackError`` when stacking would leave less memory than ``psgrad.memory``'s floor:
+        the stacked copy of every model's parameters and buffers, then the stacked gradients, are
+        made in one go by the serving thread, and running out of memory there ends the process
+        before anything could say why. One pass per worker instead grows a worker at a time, and
+        the simulation's memory watch can stop it between two."""
+        tensors = [t for m in models for t in [*m.parameters(), *m.parameters(), *m.buffers()]]
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        short = memory.short_of(needed)
+        if short is not None:
+            raise StackError(
+                f"stacking {len(models)} workers needs {memory.gib(needed)} for their parameters and gradients side "
+                f"by side and {memory.gib(short[0])} of memory is left"
+            )
 
     def _split(self, parts: dict) -> list[list[int]]:
         """The workers' ranks in ``self.groups`` runs of nearly equal length, in rank order."""

@@ -423,9 +423,10 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
     """Once less memory is left than the floor, the ranks stop at their next wait (even one whose
     collective completed: none goes on to build its model) and simulate raises MemoryError with
     what to change, instead of the kernel's OOM killer ending the process without a word."""
+    import psgrad.memory
     import psgrad.simulate
 
-    monkeypatch.setattr(psgrad.simulate, "available_memory", lambda: (100 << 20, 24 << 30))
+    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (100 << 20, 24 << 30))
     steps_run = []
 
     def counted_loss(out, labels):
@@ -437,14 +438,19 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
         simulate(cfg, 2, cores=1, loss_fn=counted_loss, stack=False)
     assert len(steps_run) < 2 * 2000  # the two workers did not train on to the end
     assert "[psgrad] stopping: only 0.1 GiB of the machine's 24.0 GiB of memory is left" in capfd.readouterr().err
-    assert psgrad.simulate.memory_short(3) is not None
-    monkeypatch.setattr(psgrad.simulate, "available_memory", lambda: (1 << 30, 24 << 30))  # 4 %: above 3 %
-    assert psgrad.simulate.memory_short(3) is None
+    watch = psgrad.simulate.MemoryWatch(3)
+    assert watch() is not None
+    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (1 << 30, 24 << 30))  # 4 %: above 3 %
+    monkeypatch.setattr(psgrad.memory, "resident", lambda: 5 << 30)
+    assert psgrad.simulate.MemoryWatch(3)() is None
+    watch = psgrad.simulate.MemoryWatch(3)
+    monkeypatch.setattr(psgrad.memory, "resident", lambda: (5 << 30) + (200 << 20))
+    assert watch() is not None  # 200 MiB more since the last look: twice that would go below the floor
 
 
 def test_a_wait_in_a_halted_simulation_raises_even_when_what_it_waits_for_has_come():
-    """``halt`` (the memory guard) stops a rank whose collective completed; ``fail`` lets it go on,
-    so that a rank with a usage error still prints it."""
+    """``halt`` (the memory guard) stops a rank whose collective completed, and one about to post
+    a receive; ``fail`` lets the first go on, so that a rank with a usage error still prints it."""
     world = LocalWorld(2)
     world.enter(0)
     world.fail("rank 1 failed: AgreementError")
@@ -452,6 +458,8 @@ def test_a_wait_in_a_halted_simulation_raises_even_when_what_it_waits_for_has_co
     world.halt("out of memory")
     with pytest.raises(OtherRankFailed, match="rank 1 failed"):
         world.wait_until(0, lambda: True)
+    with pytest.raises(OtherRankFailed):  # nor does it post another receive buffer
+        LocalTransport(world, 0).irecv(1 << 20, 1, 0)
     world.leave(0)
 
 

@@ -212,3 +212,20 @@ def test_a_rank_that_fails_before_the_meeting_stops_the_others():
     out = _meet(3, body)
     assert isinstance(out[2], RuntimeError)
     assert all(isinstance(err, OtherRankFailed) for err in out[:2])
+
+
+def test_workers_whose_stacked_parameters_and_gradients_would_not_fit_are_not_stacked(monkeypatch):
+    """Stacking copies every model's parameters and buffers side by side and then makes their
+    gradients, in one go on the serving thread, where running out of memory would end the process
+    without a word: it is refused (the workers then compute one pass each) when that would leave
+    less than the floor."""
+    import psgrad.memory
+
+    models = [nn.Linear(1000, 1000) for _ in range(4)]  # 4 x 1,001,000 parameters
+    needed = 4 * 1_001_000 * 4 * 2
+    total = 100 << 30
+    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (needed + int(0.03 * total) + 1, total))
+    stacked_module.StackedWorkers._check_room(models)  # just fits
+    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (needed + int(0.03 * total) - 1, total))
+    with pytest.raises(StackError, match="stacking 4 workers needs 0.0 GiB for their parameters and gradients"):
+        stacked_module.StackedWorkers._check_room(models)

@@ -29,6 +29,7 @@ it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -42,6 +43,7 @@ from .transport import Handle, Idle, Patience, PeerFailure, StackedCompute, Tran
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
 _BLOCK = 0.5  # seconds a wait sleeps without news before it polls again (and checks for a stall)
 _IDLE_BLOCK = 1e-3  # the same for a wait with idle work to do between polls
+_WATCH_EVERY = 0.02  # seconds between two looks at the memory (one costs about 30 us)
 
 
 class OtherRankFailed(PeerFailure):
@@ -76,6 +78,10 @@ class LocalWorld:
         self.collectives: dict[tuple, _Collective] = {}  # (comm, k) -> the parts so far
         self.failure: str | None = None
         self.halted = False  # see ``halt``
+        # () -> why the job must stop now (the machine is out of memory), or None; see ``watch``
+        self.memory_check: Callable[[], str | None] | None = None
+        self.memory_short: str | None = None
+        self._watched_at = 0.0
         self.progress_at = time.monotonic()
         self.polled = [0.0] * size
         self.running = set(range(size))
@@ -120,9 +126,30 @@ class LocalWorld:
             slept += self.sleep(rank, epoch, _BLOCK if idle is None else _IDLE_BLOCK)
 
     def enter(self, rank: int) -> None:
-        """Rank ``rank`` starts to run: it takes a core token (waits for one)."""
+        """Rank ``rank`` starts to run: it takes a core token (waits for one), and the memory is
+        looked at (``watch``) before it builds or computes anything more."""
         self.cores.acquire()
         self.holds[rank] = True
+        self.watch()
+
+    def watch(self) -> None:
+        """At most every ``_WATCH_EVERY`` seconds, ask ``memory_check``; when it gives a reason,
+        say it once and ``halt``. Every rank taking a core looks, not only a watcher thread: with
+        ranks building large models side by side, memory can run out between two looks 0.2 s
+        apart."""
+        now = time.monotonic()
+        if self.memory_check is None or self.halted or now - self._watched_at < _WATCH_EVERY:
+            return
+        self._watched_at = now
+        reason = self.memory_check()
+        if reason is None:
+            return
+        with self.lock:
+            if self.memory_short is not None:
+                return
+            self.memory_short = reason
+        print(f"[psgrad] stopping: {reason}", file=sys.stderr, flush=True)
+        self.halt(f"out of memory: {reason}")
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` stops running (it waits or ended): its core token goes to another rank."""
@@ -334,6 +361,8 @@ class LocalTransport(Transport):
         return handle
 
     def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
+        if self.world.halted:  # a server posts a buffer for every layer of every worker in one go
+            raise OtherRankFailed(f"stopping: {self.world.failure}")
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         handle = LocalHandle(None, buf, source, tag, key, -1, self, world=self.world, rank=self.rank)
         handle.key_comm = self.comm_name
