@@ -55,7 +55,18 @@ def _internal(name: str) -> set[str]:
 
 # (floor, module prefixes): a module may import only from its own floor or below
 FLOORS = [
-    (0, ["psgrad.codecs", "psgrad.models", "psgrad.data", "psgrad.allocator", "psgrad.choices", "psgrad.comm.layout"]),
+    (
+        0,
+        [
+            "psgrad.codecs",
+            "psgrad.models",
+            "psgrad.data",
+            "psgrad.allocator",
+            "psgrad.memory",
+            "psgrad.choices",
+            "psgrad.comm.layout",
+        ],
+    ),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
     (2, ["psgrad.comm.local", "psgrad.accuracy"]),
