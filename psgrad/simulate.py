@@ -58,17 +58,19 @@ def world_size(cfg: RunConfig, workers: int) -> int:
 class MemoryWatch:
     """Why the simulation of ``size`` ranks must stop now, or None (``LocalWorld.memory_check``).
 
-    1. Each look notes this process's resident memory; the largest growth between two looks is
-       what the ranks may still add before the next one (a rank building a large model, say).
-    2. It is short when twice that growth would leave less than ``psgrad.memory``'s floor."""
+    1. Each look notes this process's resident memory. While it keeps growing (ranks building
+       large models, a server posting its receive buffers), the smaller of the last two growths
+       between looks is what the ranks may still add before the next look; a growth seen once
+       (the stacked model made in one go) is not expected again.
+    2. It is short when twice that would leave less than ``psgrad.memory``'s floor."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.last, self.growth = size, memory.resident(), 0
+        self.size, self.last, self.growths = size, memory.resident(), (0, 0)
 
     def __call__(self) -> str | None:
         now = memory.resident()
-        self.growth, self.last = max(self.growth, now - self.last), now
-        short = memory.short_of(2 * self.growth)
+        self.growths, self.last = (self.growths[1], max(0, now - self.last)), now
+        short = memory.short_of(2 * min(self.growths))
         if short is None:
             return None
         available, total = short

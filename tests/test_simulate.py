@@ -443,9 +443,12 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
     monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (1 << 30, 24 << 30))  # 4 %: above 3 %
     monkeypatch.setattr(psgrad.memory, "resident", lambda: 5 << 30)
     assert psgrad.simulate.MemoryWatch(3)() is None
-    watch = psgrad.simulate.MemoryWatch(3)
-    monkeypatch.setattr(psgrad.memory, "resident", lambda: (5 << 30) + (200 << 20))
-    assert watch() is not None  # 200 MiB more since the last look: twice that would go below the floor
+    watch, resident = psgrad.simulate.MemoryWatch(3), [5 << 30]
+    monkeypatch.setattr(psgrad.memory, "resident", lambda: resident[0])
+    resident[0] += 200 << 20
+    assert watch() is None  # one growth of 200 MiB: a one-off, not expected again
+    resident[0] += 200 << 20
+    assert watch() is not None  # growing on: twice 200 MiB more would go below the floor
 
 
 def test_a_wait_in_a_halted_simulation_raises_even_when_what_it_waits_for_has_come():
