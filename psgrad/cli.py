@@ -73,15 +73,12 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) 
     unable to write its result. '-' (standard output) passes."""
     if value is None or value == "-":
         return value
+    from .config import folder_problem
+
     folder = Path(value).parent
-    if folder.exists() and not folder.is_dir():
-        raise click.BadParameter(f"{value}: {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise click.BadParameter(f"{value}: its folder cannot be made: {err.strerror or err}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise click.BadParameter(f"{value}: its folder {folder} is not writable")
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise click.BadParameter(f"{value}: its folder {folder} {problem}")
     return value
 
 

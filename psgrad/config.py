@@ -11,6 +11,20 @@ from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE
 from .comm.layout import LAYOUTS, TOPOLOGIES, parse_grid
 
 
+def folder_problem(folder: Path, noun: str = "folder") -> str | None:
+    """Why files cannot be written into ``folder`` once it is made (with its parents, if it is not
+    there): "is a file, not a <noun>", "cannot be made: <why>" or "is not writable"; or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"is a file, not a {noun}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot be made: {err.strerror or err}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
 @dataclass
 class RunConfig:
     """Everything a run needs. ``validate()`` raises ValueError naming the bad setting."""
@@ -270,14 +284,9 @@ class RunConfig:
         3. A run is there already, and neither --resume nor --overwrite was given."""
         if not self.log_dir:
             return None
-        if Path(self.log_dir).exists() and not Path(self.log_dir).is_dir():
-            return f"--log-dir {self.log_dir} is a file, not a directory"
-        try:
-            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            return f"--log-dir {self.log_dir} cannot be made: {err.strerror or err}"
-        if not os.access(self.log_dir, os.W_OK | os.X_OK):
-            return f"--log-dir {self.log_dir} is not writable"
+        problem = folder_problem(Path(self.log_dir), "directory")
+        if problem is not None:
+            return f"--log-dir {self.log_dir} {problem}"
         if self.resume or self.overwrite:
             return None
         there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
