@@ -380,13 +380,14 @@ class StackedWorkers:
             torch.set_num_threads(threads_each)
         start = time.perf_counter()
         try:
+            groups = self._split(parts)
             if self.stacked is None:
                 self._check_room([self.joined[rank][0] for rank in parts])
-                self.stacked = [StackedPass([self.joined[rank][0] for rank in group]) for group in self._split(parts)]
+                self.stacked = [StackedPass([self.joined[rank][0] for rank in group]) for group in groups]
             loss_fn = self.joined[next(iter(parts))][1]
             runs = [
                 functools.partial(self._run_group, stacked, [parts[rank] for rank in group], loss_fn)
-                for stacked, group in zip(self.stacked, self._split(parts), strict=True)
+                for stacked, group in zip(self.stacked, groups, strict=True)
             ]
             if side_by_side:
                 assert self.helpers is not None
@@ -415,8 +416,9 @@ class StackedWorkers:
         made in one go by the serving thread, and running out of memory there ends the process
         before anything could say why. One pass per worker instead grows a worker at a time, and
         the simulation's memory watch can stop it between two."""
-        tensors = [t for m in models for t in [*m.parameters(), *m.parameters(), *m.buffers()]]
-        needed = sum(t.numel() * t.element_size() for t in tensors)
+        params = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+        buffers = sum(b.numel() * b.element_size() for m in models for b in m.buffers())
+        needed = 2 * params + buffers  # the stacked parameters and their gradients, the buffers
         short = memory.short_of(needed)
         if short is not None:
             raise StackError(

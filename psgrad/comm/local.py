@@ -116,8 +116,7 @@ class LocalWorld:
         seconds slept."""
         slept = 0.0
         while True:
-            if self.halted:  # even if ``done``: no rank builds or trains any further
-                raise OtherRankFailed(f"stopping: {self.failure}")
+            self.stop_if_halted()  # even if ``done``: no rank builds or trains any further
             epoch = self.epoch[rank]
             if done():
                 return slept
@@ -180,6 +179,10 @@ class LocalWorld:
         lets that one go on: a rank that has a usage error to print must still print it)."""
         self.halted = True
         self.fail(reason)
+
+    def stop_if_halted(self) -> None:
+        if self.halted:
+            raise OtherRankFailed(f"stopping: {self.failure}")
 
     def finished(self, rank: int) -> None:
         with self.lock:
@@ -361,8 +364,7 @@ class LocalTransport(Transport):
         return handle
 
     def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
-        if self.world.halted:  # a server posts a buffer for every layer of every worker in one go
-            raise OtherRankFailed(f"stopping: {self.world.failure}")
+        self.world.stop_if_halted()  # a server posts a buffer for every layer of every worker in one go
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         handle = LocalHandle(None, buf, source, tag, key, -1, self, world=self.world, rank=self.rank)
         handle.key_comm = self.comm_name
