@@ -58,8 +58,8 @@ _MOMENTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def normalize(images: torch.Tensor, dataset: str) -> torch.Tensor:
     """uint8 (B, 3, 32, 32) -> float, per-channel standardised: one new tensor, the rest in place
-    (an evaluation batch of 256 images is 3 MB of floats; three temporaries of it tripled what a
-    step holds at its peak)."""
+    (an evaluation batch of 256 images is 3 MB of floats; three new tensors, one per operation,
+    tripled that at their peak)."""
     mean, std = _moments(dataset)
     return images.float().div_(255).sub_(mean).div_(std)
 
