@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import memory
+from .comm import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
 from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
 from .config import RunConfig

@@ -65,6 +65,7 @@ FLOORS = [
             "psgrad.memory",
             "psgrad.choices",
             "psgrad.comm.layout",
+            "psgrad.comm.deferred_mpi",
         ],
     ),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
@@ -126,8 +127,12 @@ def test_roles_never_import_each_other():
 
 
 def test_only_transport_imports_mpi():
+    """comm/transport.py is the one module that imports mpi4py's MPI (which starts MPI unless told
+    otherwise); comm/deferred_mpi.py imports only the package, to tell it that."""
     users = sorted(n for n, imports in MODULES.items() if any(m.startswith("mpi4py") for m in imports))
-    assert users == ["psgrad.comm.transport"]
+    assert users == ["psgrad.comm.deferred_mpi", "psgrad.comm.transport"]
+    tree = ast.parse((ROOT / "comm" / "deferred_mpi.py").read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "mpi4py"]
 
 
 def test_feedback_is_built_in_one_place_with_every_dgc_option():

@@ -502,3 +502,23 @@ def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(bad)
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_simulate_starts_no_mpi(tmp_path):
+    """`psgrad simulate` needs no MPI, so it must not start it (comm/deferred_mpi.py): with UCX told
+    to use a transport that does not exist, MPICH's start-up aborted the process before the first
+    step. Also: no MPI is running after a simulation in a fresh interpreter."""
+    probe = (
+        "from psgrad.config import RunConfig\n"
+        "from psgrad.simulate import simulate\n"
+        "simulate(RunConfig(model='mlp', steps=2, progress=False, eval_every=0), 2)\n"
+        "from mpi4py import MPI\n"
+        "print('MPI started:', MPI.Is_initialized())\n"
+    )
+    proc = run_bounded([sys.executable, "-c", probe], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MPI started: False" in proc.stdout, proc.stdout
+    cli = [sys.executable, "-m", "psgrad", "simulate", "--workers", "2", "--model", "mlp", "--steps", "2"]
+    proc = run_bounded([*cli, "--no-progress", "--data-dir", str(tmp_path)], timeout=120, env={"UCX_TLS": "bogus"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 2 steps" in proc.stderr + proc.stdout

@@ -132,7 +132,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     evaluate (each worker trains alone)."""
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
-    from ..comm.transport import Transport  # imported here: importing mpi4py initialises MPI
+    from ..comm.transport import Transport  # imported here: importing mpi4py's MPI initialises MPI
 
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()

@@ -1,4 +1,4 @@
-"""Non-blocking MPI messaging of wire bytes. THE ONLY module that imports mpi4py.
+"""Non-blocking MPI messaging of wire bytes. THE ONLY module that imports mpi4py's MPI.
 
 Only buffer-based (upper-case) MPI calls are used: mpi4py's lower-case calls pickle, and nothing
 pickled ever goes on psgrad's network. Waiting never busy-polls a core: MPI implementations spin
@@ -195,6 +195,7 @@ class Transport:
     """Each rank is a process of its own (comm/local.py's ranks share one)."""
 
     def __init__(self, comm: MPI.Comm | None = None) -> None:
+        start_mpi()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -377,18 +378,28 @@ def mpi_library() -> str:
     return MPI.Get_library_version().strip().splitlines()[0]
 
 
+def start_mpi() -> None:
+    """Initialise MPI at thread level multiple, unless it runs already: mpi4py does that when it is
+    imported, except in a process that imported ``comm.deferred_mpi`` first (``psgrad simulate``)."""
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+
+
 def world_size() -> int:
+    start_mpi()
     return MPI.COMM_WORLD.Get_size()
 
 
 def world_rank() -> int:
+    start_mpi()
     return MPI.COMM_WORLD.Get_rank()
 
 
 def finalize() -> None:
-    """Finalize MPI, then let this process's sentinels hear their goodbye (``sentinel.farewell``):
-    a rank that dies before that, in MPI_Finalize, is named by its sentinel. Once is enough."""
-    if not MPI.Is_finalized():
+    """Finalize MPI (if it was started), then let this process's sentinels hear their goodbye
+    (``sentinel.farewell``): a rank that dies before that, in MPI_Finalize, is named by its
+    sentinel. Once is enough."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
     farewell()
 
@@ -411,7 +422,8 @@ def finalize_and_exit(code: int = 0) -> None:
          thread still joinable and abort the process ("terminate called without an active
          exception") after all the work was done.
     """
-    MPI.COMM_WORLD.Barrier()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Barrier()
     finalize()
     sys.stdout.flush()
     sys.stderr.flush()
