@@ -498,6 +498,7 @@ def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):
         (["--workers", "0"], "--workers and --batch-size must be at least 1"),
         (["--batch-size", "0"], "--workers and --batch-size must be at least 1"),
         (["--codecs", " ; "], "--codecs has no rows to simulate"),
+        (["--steps", "6"], "--steps must be at least 7"),  # one timed step: a ZeroDivisionError after the run
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(bad)

@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         help="Semicolon-separated rows to simulate: a codec spec, optionally followed by train options "
         'for that row, as in psgrad bench ("sign:bucket=32 --feedback ef --granularity model").',
     )
-    parser.add_argument("--steps", type=int, default=40, help="Steps per run (the first five are not timed).")
+    parser.add_argument(
+        "--steps", type=int, default=40, help="Steps per run, at least 7 (the first five are not timed)."
+    )
     parser.add_argument("--model", default="wrn", help="Model (WRN-10-1 by default).")
     parser.add_argument(
         "--repeat", type=int, default=1, help="Runs of every row (each simulation between two alone runs)."
@@ -206,8 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         "stacked, one group per core), on (--stack) or off (--no-stack).",
     )
     args = parser.parse_args(argv)
-    if args.steps <= WARMUP:
-        parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    if args.steps < WARMUP + 2:  # the server's phases are differences between the first timed step and the last
+        parser.error(f"--steps must be at least {WARMUP + 2}: the first {WARMUP} are not timed, and two more are")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.workers < 1 or args.batch_size < 1:
