@@ -385,6 +385,11 @@ def start_mpi() -> None:
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
 
 
+def _mpi_running() -> bool:
+    """Started (``start_mpi`` or mpi4py's import) and not yet finalized."""
+    return MPI.Is_initialized() and not MPI.Is_finalized()
+
+
 def world_size() -> int:
     start_mpi()
     return MPI.COMM_WORLD.Get_size()
@@ -399,7 +404,7 @@ def finalize() -> None:
     """Finalize MPI (if it was started), then let this process's sentinels hear their goodbye
     (``sentinel.farewell``): a rank that dies before that, in MPI_Finalize, is named by its
     sentinel. Once is enough."""
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    if _mpi_running():
         MPI.Finalize()
     farewell()
 
@@ -422,7 +427,7 @@ def finalize_and_exit(code: int = 0) -> None:
          thread still joinable and abort the process ("terminate called without an active
          exception") after all the work was done.
     """
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    if _mpi_running():
         MPI.COMM_WORLD.Barrier()
     finalize()
     sys.stdout.flush()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from psgrad import metrics
+from psgrad import memory, metrics
 from psgrad.config import RunConfig
 from psgrad.train import run
 
@@ -30,15 +30,9 @@ for item in sys.argv[2:]:
         extra[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
         extra[key] = value
-PAGE_KB = 4
 # rank 0 keeps the last ROWS_KEPT metrics rows by design: let them reach that cap within the
 # warm-up, or a short soak reads the filling of a bounded buffer as growth
 metrics.ROWS_KEPT = min(metrics.ROWS_KEPT, steps // 10)
-
-
-def rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE_KB
 
 
 samples: list[tuple[float, int]] = []
@@ -47,7 +41,7 @@ done = threading.Event()
 
 def sample() -> None:
     while not done.wait(0.2):
-        samples.append((time.monotonic(), rss_kb()))
+        samples.append((time.monotonic(), memory.resident() >> 10))
 
 
 threading.Thread(target=sample, daemon=True).start()
