@@ -37,6 +37,7 @@ from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
 from .config import RunConfig
 from .context import LossFn
+from .data import shared_loads
 from .optim import OptimizerFn
 from .stacked import StackedWorkers
 from .train import RunResult, run
@@ -121,26 +122,27 @@ def simulate(
             world.leave(rank)
 
     threads = [threading.Thread(target=play, args=(r,), name=f"psgrad-rank-{r}", daemon=True) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    try:
+    with shared_loads():  # every rank trains on the same sets: loaded once, held once
         for thread in threads:
-            while thread.is_alive():
-                # in slices: Ctrl-C reaches this thread between them, and memory is looked at
-                thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
-                world.watch()
-    except KeyboardInterrupt:
-        world.fail("interrupted")
-        if world.stacked is not None:
-            world.stacked.close("interrupted")
-        deadline = time.monotonic() + 10.0
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        raise
-    finally:
-        if world.stacked is not None:
-            world.stacked.close("the simulation ended")
-        torch.set_num_threads(callers_threads)
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    # in slices: Ctrl-C reaches this thread between them, and memory is looked at
+                    thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
+                    world.watch()
+        except KeyboardInterrupt:
+            world.fail("interrupted")
+            if world.stacked is not None:
+                world.stacked.close("interrupted")
+            deadline = time.monotonic() + 10.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            raise
+        finally:
+            if world.stacked is not None:
+                world.stacked.close("the simulation ended")
+            torch.set_num_threads(callers_threads)
     if world.memory_short is not None:
         raise MemoryError(world.memory_short)
     if errors:
