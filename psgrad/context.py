@@ -33,12 +33,13 @@ from .comm.layout import RankLayout
 from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .comm.transport import Transport
 from .config import RunConfig
-from .data import ShardLoader, eval_batches, load_dataset
+from .data import DataError, ImageSet, ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
 from .metrics import MetricsLog
 from .models import build_model
 from .models.layout import in_layout, memory_format
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
+from .startup import agree
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -118,7 +119,7 @@ class RunContext:
     optimizer_fn: OptimizerFn | None = None
     doing: str = "setting up"
     buffers_size: int = 0
-    _test_set: object = field(default=None, repr=False)
+    _test_set: ImageSet | None = field(default=None, repr=False)
     _eval_model: nn.Module | None = field(default=None, repr=False)
     _evaluator: ThreadPoolExecutor | None = field(default=None, repr=False)
     _evaluations: list[Future] = field(default_factory=list, repr=False)
@@ -159,6 +160,9 @@ class RunContext:
         )
         transport.check_tag(layer_tag(len(layers)))
         label = cfg.dataset_label if loader_fn is None else "custom data"
+        train_set, test_set = _load_sets(
+            cfg, transport, layout.is_worker(rank) and loader_fn is None, rank == 0 and eval_data is None
+        )
         loader = None
         if layout.is_worker(rank):
             index, workers = layout.worker_index(rank), layout.num_workers
@@ -166,9 +170,6 @@ class RunContext:
                 loader = loader_fn(index, workers)
                 loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
             else:
-                train_set = load_dataset(
-                    cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
-                )
                 loader = ShardLoader(
                     train_set, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
                 )
@@ -193,6 +194,7 @@ class RunContext:
             eval_data=eval_data,
             optimizer_fn=optimizer_fn,
             buffers_size=buffers_vector(model).numel(),
+            _test_set=test_set,
         )
         ctx.resume = ctx._load_resume()
         ctx.start = int(ctx.resume["step"]) if ctx.resume else 0
@@ -346,11 +348,6 @@ class RunContext:
         if self.eval_data is not None:
             batches = self.eval_data
         else:
-            if self._test_set is None:
-                cfg = self.cfg
-                self._test_set = load_dataset(
-                    cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
-                )
             batches = eval_batches(self._test_set, self.cfg.dataset)
         start = time.perf_counter()
         device = next(model.parameters()).device
@@ -449,3 +446,25 @@ class Role:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from a checkpoint's ``state`` (the dict ``state_dict`` gave, plus ``step``)."""
+
+
+def _load_sets(
+    cfg: RunConfig, transport: Transport, train: bool, test: bool
+) -> tuple[ImageSet | None, ImageSet | None]:
+    """The training set (a worker's) and the test set (rank 0's, which evaluates), read before
+    the first step (collective): an unreadable archive is one error for the job, said once by the
+    lowest rank that has it (``startup.agree``), not a traceback per rank, nor a failure at the
+    first evaluation hours in."""
+
+    def load(split: str) -> ImageSet:
+        return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+
+    train_set = test_set = None
+    problem = None
+    try:
+        train_set = load("train") if train else None
+        test_set = load("test") if test else None
+    except (DataError, FileNotFoundError) as err:
+        problem = str(err)
+    agree(transport, None if problem else cfg, problem, "data error")
+    return train_set, test_set

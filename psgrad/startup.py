@@ -62,20 +62,23 @@ def config_difference(mine: dict, theirs: dict) -> list[str]:
     ]
 
 
-def agree(transport: Transport, cfg: RunConfig | None, usage_error: str | None = None) -> None:
+def agree(
+    transport: Transport, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error"
+) -> None:
     """Return when every rank is free of usage errors and runs rank 0's config (see module doc).
 
-    A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises."""
+    A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises.
+    ``kind`` names the error where it is printed (a "data error": an unreadable dataset)."""
     if transport.size == 1:
         if usage_error is not None:
-            print(f"[psgrad] usage error: {usage_error}", file=sys.stderr, flush=True)
+            print(f"[psgrad] {kind}: {usage_error}", file=sys.stderr, flush=True)
             raise AgreementError(usage_error)
         return
     first = _first(transport, usage_error is not None)
     if first is not None:
         if first == transport.rank:
-            print(f"[psgrad rank {first}] usage error: {usage_error}", file=sys.stderr, flush=True)
-        raise AgreementError(f"rank {first} has a usage error")
+            print(f"[psgrad rank {first}] {kind}: {usage_error}", file=sys.stderr, flush=True)
+        raise AgreementError(f"rank {first} has a {kind}")
     mine = json.loads(cfg.to_json())
     theirs = json.loads(transport.broadcast_bytes(cfg.to_json().encode() if transport.rank == 0 else None))
     differences = config_difference(mine, theirs)

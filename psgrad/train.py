@@ -26,7 +26,7 @@ from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
 from .optim import OptimizerFn
 from .roles import ROLES
-from .startup import agree
+from .startup import AgreementError, agree
 
 
 @dataclass
@@ -83,6 +83,9 @@ def run(
         result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where)
     except BaseException as err:
         if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
+            raise
+        if isinstance(err, AgreementError):  # said once, by one rank; every rank ends with it
+            watchdog.stop()
             raise
         print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
         if not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do

@@ -2,8 +2,10 @@
 
 import json
 import re
+import tarfile
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import metrics_rows, run_mpi, run_script
@@ -231,6 +233,25 @@ def test_mpmd_server_and_worker_commands():
 def test_usage_error_is_printed_once_per_job():
     proc = run_mpi([__import__("sys").executable, "-m", "psgrad", "train", "--model", "mlp", "--lr", "-1"], timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("Invalid value for '--lr'") == 1, proc.stderr
+
+
+def test_an_unreadable_cifar_archive_is_one_data_error_before_training(tmp_path):
+    """A download cut short: one line for the job naming the archive and what to do, exit 2, no
+    traceback from each rank (each rank printed gzip's EOFError with a traceback before)."""
+    src = tmp_path / "src" / "cifar-10-batches-py"
+    src.mkdir(parents=True)
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        (src / name).write_bytes(np.random.default_rng(0).bytes(20000))  # incompressible
+    with tarfile.open(tmp_path / "whole.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="cifar-10-batches-py")
+    whole = (tmp_path / "whole.tar.gz").read_bytes()
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(whole[: len(whole) // 2])
+    py = __import__("sys").executable
+    args = ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--model", "mlp", "--steps", "2"]
+    proc = run_mpi([py, "-m", "psgrad", "train", *args], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("data error: cifar10:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "it is truncated or corrupt: download cifar-10-python.tar.gz again" in proc.stderr
 
 
 def test_missing_cifar_is_one_usage_error_before_training(tmp_path):

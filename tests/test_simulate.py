@@ -26,7 +26,7 @@ from psgrad.cli import main
 from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
 from psgrad.comm.transport import PeerFailure
 from psgrad.config import RunConfig
-from psgrad.data import make_synthetic
+from psgrad.data import load_cifar, make_synthetic
 from psgrad.simulate import simulate, world_size
 
 SMALL = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "16", "--dataset", "synthetic"]
@@ -225,6 +225,28 @@ def test_the_ranks_of_a_simulation_load_each_dataset_once_and_share_it(monkeypat
     assert [split for split, alive in made if alive() is not None] == []
     datasets.load_dataset("synthetic", "train")
     assert [split for split, _ in made].count("train") == 2
+
+
+def test_an_unreadable_dataset_is_one_data_error_read_once(tmp_path, monkeypatch):
+    """Every worker needs the training set: the first one's failed read is every rank's error,
+    said once, without a traceback or fifteen more reads of the same file."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        (folder / name).write_bytes(b"not a pickle at all")
+    reads: list[str] = []
+
+    def counted(dataset, data_dir, split):
+        reads.append(split)
+        return load_cifar(dataset, data_dir, split)
+
+    monkeypatch.setattr(datasets, "load_cifar", counted)
+    options = ["simulate", "--workers", "4", "--model", "mlp", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--dataset", "cifar10", "--data-dir", str(tmp_path)])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.count("data error:") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "data_batch_1 is not a readable CIFAR batch" in done.stderr or "test_batch is not a readable" in done.stderr
+    assert sorted(reads) == ["test", "train"]
 
 
 def test_threads_that_load_at_once_get_one_set():

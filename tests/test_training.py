@@ -12,7 +12,7 @@ import torch
 from conftest import metrics_rows, run_mpi, run_script, train_runs
 
 from psgrad.config import RunConfig
-from psgrad.data import ShardLoader, augment, load_cifar, load_dataset
+from psgrad.data import DataError, ShardLoader, augment, load_cifar, load_dataset
 from psgrad.models import build_model
 from psgrad.optim import LayerOptimizer, learning_rate
 
@@ -72,6 +72,22 @@ def test_cifar100_reader_from_tar_gz(tmp_path):
         tar.add(src, arcname="cifar-100-python")
     data = load_cifar("cifar100", tmp_path, "train")
     assert data.images.shape == (6, 3, 32, 32) and data.labels.max() < 100
+
+
+def test_a_truncated_cifar_archive_says_to_download_it_again(tmp_path):
+    src = tmp_path / "src" / "cifar-100-python"
+    src.mkdir(parents=True)
+    _write_batch(src / "train", 400, b"fine_labels", 100, 1)
+    _write_batch(src / "test", 2, b"fine_labels", 100, 2)
+    with tarfile.open(tmp_path / "whole.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="cifar-100-python")
+    whole = (tmp_path / "whole.tar.gz").read_bytes()
+    (tmp_path / "cifar-100-python.tar.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match="truncated or corrupt: download cifar-100-python.tar.gz again"):
+        load_cifar("cifar100", tmp_path, "train")
+    (tmp_path / "cifar-100-python.tar.gz").write_bytes(b"an html error page, say")
+    with pytest.raises(DataError, match="cannot be read \\(ReadError"):
+        load_cifar("cifar100", tmp_path, "test")
 
 
 def test_missing_cifar_says_what_was_expected(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..choices import DATASETS
-from .cifar import ImageSet, load_cifar, missing_data
+from .cifar import DataError, ImageSet, load_cifar, missing_data
 from .synthetic import make_proxy, make_synthetic
 
 GENERATED = {"synthetic": make_synthetic, "proxy": make_proxy}
@@ -20,6 +20,7 @@ STDS = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762
 
 __all__ = [
     "DATASETS",
+    "DataError",
     "ImageSet",
     "ShardLoader",
     "augment",
@@ -44,11 +45,17 @@ def load_dataset(
     """The ``split`` of dataset ``name``: read from ``data_dir`` (CIFAR) or generated from ``seed``.
     Inside ``shared_loads()`` every caller with the same arguments gets the one set loaded first."""
     args = (name, split, str(data_dir), synthetic_classes, synthetic_size, seed)
-    with _shared.lock:  # the other ranks wait for the first one's load and take its set
+    with _shared.lock:  # the other ranks wait for the first one's load and take its set (or its error)
         if _shared.depth:
             if args not in _shared.sets:
-                _shared.sets[args] = _load(*args)
-            return _shared.sets[args]
+                try:
+                    _shared.sets[args] = _load(*args)
+                except (DataError, FileNotFoundError) as err:
+                    _shared.sets[args] = err
+            found = _shared.sets[args]
+            if isinstance(found, Exception):
+                raise type(found)(*found.args)
+            return found
     return _load(*args)
 
 
@@ -58,7 +65,7 @@ class _SharedSets:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.depth = 0
-        self.sets: dict[tuple, ImageSet] = {}
+        self.sets: dict[tuple, ImageSet | Exception] = {}
 
 
 _shared = _SharedSets()
@@ -67,7 +74,7 @@ _shared = _SharedSets()
 @contextlib.contextmanager
 def shared_loads() -> Iterator[None]:
     """Within it, ``load_dataset`` loads each set once for all threads of this process and hands
-    every caller that same set (``psgrad simulate``: without it, 16 simulated workers read and held
+    every caller that same set, or raises that load's error again (``psgrad simulate``: without it, 16 simulated workers read and held
     16 copies of CIFAR-100's 150 MB, a minute of start-up). The sets are read-only to their users
     (``ShardLoader`` and ``eval_batches`` copy what they take); they are dropped when the last
     ``shared_loads`` ends, so nothing stays loaded beyond the simulation."""

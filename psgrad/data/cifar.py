@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,11 @@ _ALLOWED = {
 URL_HINT = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
+class DataError(ValueError):
+    """A dataset's files are there but cannot be read as CIFAR: the message names the file, says
+    why, and what to do."""
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED:
@@ -58,13 +64,13 @@ def _load_member(raw: bytes, where: str, label_key: bytes) -> tuple[np.ndarray, 
     try:
         entry = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as err:
-        raise ValueError(f"{where} is not a readable CIFAR batch: {err}") from None
+        raise DataError(f"{where} is not a readable CIFAR batch: {err}") from None
     if not isinstance(entry, dict) or b"data" not in entry or label_key not in entry:
-        raise ValueError(f"{where} lacks the b'data' / {label_key!r} entries of a CIFAR batch")
+        raise DataError(f"{where} lacks the b'data' / {label_key!r} entries of a CIFAR batch")
     data = np.asarray(entry[b"data"], dtype=np.uint8)
     labels = np.asarray(entry[label_key], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
-        raise ValueError(f"{where}: expected N x 3072 images and N labels, got {data.shape} and {labels.shape}")
+        raise DataError(f"{where}: expected N x 3072 images and N labels, got {data.shape} and {labels.shape}")
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -97,12 +103,18 @@ def load_cifar(dataset: str, data_dir: str | Path, split: str) -> ImageSet:
                 )
             raws.append((str(path), path.read_bytes()))
     elif (root / archive).is_file():
-        with tarfile.open(root / archive, "r:gz") as tar:
-            for member in members:
-                try:
-                    raws.append((f"{archive}:{folder}/{member}", tar.extractfile(f"{folder}/{member}").read()))
-                except (KeyError, AttributeError):
-                    raise FileNotFoundError(f"{dataset}: {root / archive} has no {folder}/{member}") from None
+        try:
+            with tarfile.open(root / archive, "r:gz") as tar:
+                for member in members:
+                    try:
+                        raws.append((f"{archive}:{folder}/{member}", tar.extractfile(f"{folder}/{member}").read()))
+                    except (KeyError, AttributeError):
+                        raise FileNotFoundError(f"{dataset}: {root / archive} has no {folder}/{member}") from None
+        except (tarfile.TarError, EOFError, zlib.error) as err:  # a download cut short, or not a .tar.gz
+            raise DataError(
+                f"{dataset}: {root / archive} cannot be read ({type(err).__name__}: {err}); it is truncated or "
+                f"corrupt: download {archive} again from {URL_HINT}"
+            ) from None
     else:
         raise FileNotFoundError(missing_data(dataset, root))
     parts = [_load_member(raw, where, label_key) for where, raw in raws]
@@ -110,5 +122,5 @@ def load_cifar(dataset: str, data_dir: str | Path, split: str) -> ImageSet:
     labels = np.concatenate([p[1] for p in parts])
     classes = 10 if dataset == "cifar10" else 100
     if labels.min(initial=0) < 0 or labels.max(initial=0) >= classes:
-        raise ValueError(f"{dataset}: labels outside 0..{classes - 1}")
+        raise DataError(f"{dataset}: labels outside 0..{classes - 1}")
     return ImageSet(images, labels, f"{dataset}/{split}")
