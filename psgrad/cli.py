@@ -489,6 +489,7 @@ def bench(
     if target_accuracy and not options["eval_steps"]:
         options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
     cfg = config_from(options)
+    _require_data(cfg)
     specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
     if not specs and not baselines:
         raise click.BadParameter(

@@ -61,10 +61,21 @@ def test_bench_launcher_with_baselines(tmp_path):
     assert rows["ddp"]["hidden_comm_share"] is None and rows["ddp"]["server_cpu"] is None
 
 
-def test_bench_failing_job_reports_its_error():
-    proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", "/nonexistent"])
+def test_bench_failing_job_reports_its_error(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        (folder / name).write_bytes(b"not a pickle at all")
+    proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", str(tmp_path)])
     assert proc.returncode != 0
-    assert "exit status" in proc.stderr and "cifar-10" in proc.stderr.lower()
+    assert "exit status 2" in proc.stderr and "data error: " in proc.stderr, proc.stderr
+    assert "is not a readable CIFAR batch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_without_its_data_is_a_usage_error_before_any_job():
+    proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", "/nonexistent"])
+    assert proc.returncode == 2, proc.stderr
+    assert "cifar-10-python.tar.gz exists" in proc.stderr and "[bench 1/" not in proc.stderr, proc.stderr
 
 
 def test_baselines_need_the_launcher():

@@ -355,12 +355,17 @@ def _child(job_path: str) -> None:
     from ..comm.sentinel import hold_goodbyes
 
     hold_goodbyes()  # the process ends with the job (finalize_and_exit): a rank dying on the way out is named too
+    from ..comm.transport import finalize_and_exit
+    from ..startup import AgreementError
+
     job = json.loads(Path(job_path).read_text())
     cfg = RunConfig.from_json(json.dumps(job["config"]))
-    m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])
+    try:
+        m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])
+    except AgreementError:  # one rank said why (an unreadable dataset, say): the job's last line
+        finalize_and_exit(2)
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
-    from ..comm.transport import finalize_and_exit
 
     # every rank waits for the others before leaving: on a shaped run a rank's network namespace
     # goes with it, and a rank still finishing (rank 0's final evaluation of WRN-16-4 takes
