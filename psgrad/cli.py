@@ -346,8 +346,10 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
 @_output_option("-o", "--output", default="psgrad.png", help="PNG file to write (its folder is made if missing).")
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
-    from .plot import MetricsFileError, plot_runs
+    from .plot import MetricsFileError, matplotlib_problem, plot_runs
 
+    if (problem := matplotlib_problem("psgrad plot")) is not None:
+        raise click.ClickException(problem)
     try:
         path = plot_runs([Path(d) for d in log_dirs], Path(output))
     except (FileNotFoundError, MetricsFileError) as err:
@@ -438,7 +440,9 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 )
 @_output_option("--json", "json_path", help="Write the rows as a JSON list here (its folder is made before measuring).")
 @_output_option(
-    "--plot", "plot_path", help="Write a bar chart of it/s here (PNG; its folder is made before measuring)."
+    "--plot",
+    "plot_path",
+    help="Write a bar chart of it/s here (PNG; its folder is made before measuring; needs matplotlib, psgrad's plot extra).",
 )
 @click.option(
     "--wide", is_flag=True, help="Also print overlap, server CPU, the ideal rate and the time breakdown per step."
@@ -490,6 +494,11 @@ def bench(
         options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
     cfg = config_from(options)
     _require_data(cfg)
+    if plot_path is not None:
+        from .plot import matplotlib_problem
+
+        if (problem := matplotlib_problem("--plot")) is not None:
+            raise click.UsageError(problem)
     specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
     if not specs and not baselines:
         raise click.BadParameter(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import sys
 import time
@@ -50,6 +51,19 @@ class StepAggregator:
         return row
 
 
+TENSORBOARD_MISSING = (
+    "--tensorboard needs tensorboardX: pip install 'psgrad[tensorboard]' (or pip install tensorboardX)"
+)
+
+
+def tensorboard_problem() -> str | None:
+    """Why ``--tensorboard`` cannot write here (neither tensorboardX nor tensorboard is
+    installed), or None: rank 0 says so before anything is built (``train.run``)."""
+    if any(importlib.util.find_spec(name) is not None for name in ("tensorboardX", "tensorboard")):
+        return None
+    return TENSORBOARD_MISSING
+
+
 def tensorboard_writer(directory: Path):
     """A TensorBoard SummaryWriter: tensorboardX (light: protobuf only), else torch's (needs tensorboard)."""
     try:
@@ -58,9 +72,7 @@ def tensorboard_writer(directory: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise RuntimeError(
-                "--tensorboard needs tensorboardX: pip install 'psgrad[tensorboard]' (or pip install tensorboardX)"
-            ) from None
+            raise RuntimeError(TENSORBOARD_MISSING) from None
     return SummaryWriter(str(directory))
 
 

@@ -252,7 +252,12 @@ RUN_OPTIONS = [
         "Evaluate on a helper thread of rank 0 while training goes on (the workers never wait for it), "
         "or in the training loop (psgrad bench does, so time to accuracy leaves evaluation out exactly).",
     ),
-    ("--tensorboard/--no-tensorboard", "tensorboard", None, "Also write TensorBoard event files to LOG_DIR/tb."),
+    (
+        "--tensorboard/--no-tensorboard",
+        "tensorboard",
+        None,
+        "Also write TensorBoard event files to LOG_DIR/tb (needs tensorboardX: pip install 'psgrad[tensorboard]'; launch/setup.sh installs it with the test tools).",
+    ),
     (
         "--progress/--no-progress",
         "progress",

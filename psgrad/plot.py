@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def run_label(log_dir: Path) -> str:
         return log_dir.name
     fb = f"+{cfg['feedback']}" if cfg.get("feedback", "none") != "none" else ""
     return f"{cfg.get('codec', '?')}{fb} ({log_dir.name})"
+
+
+def matplotlib_problem(what: str) -> str | None:
+    """Why ``what`` cannot draw (matplotlib, psgrad's ``plot`` extra, is not installed), or None."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        return None
+    return f"{what} needs matplotlib: pip install 'psgrad[plot]' (or pip install matplotlib)"
 
 
 def plot_runs(log_dirs: list[Path], out: Path) -> Path:

@@ -24,6 +24,7 @@ from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
+from .metrics import tensorboard_problem
 from .optim import OptimizerFn
 from .roles import ROLES
 from .startup import AgreementError, agree
@@ -101,7 +102,7 @@ def run(
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
     """What stops this rank before anything is built: rank 0's log dir, a worker's device."""
-    if rank == 0 and (problem := cfg.log_dir_problem()) is not None:
+    if rank == 0 and (problem := cfg.log_dir_problem() or (cfg.tensorboard and tensorboard_problem())):
         return problem
     return device_problem(cfg) if layout.is_worker(rank) else None
 

@@ -330,6 +330,36 @@ def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "new" / "out.png").read_bytes()[:4] == b"\x89PNG", result.output
 
 
+def test_an_extra_that_is_not_installed_is_one_clear_error_before_the_work(tmp_path, monkeypatch):
+    """Without matplotlib (the plot extra) or tensorboardX (the tensorboard extra), psgrad plot,
+    bench --plot and --tensorboard said so with a traceback: plot at once, bench after all its
+    jobs, --tensorboard from rank 0 once the ranks had set up."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    find_spec = importlib.util.find_spec
+    absent = {"matplotlib", "tensorboardX", "tensorboard"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else find_spec(name, *a))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,loss,wall\n0,2.0,0.5\n")
+    done = CliRunner().invoke(main, ["plot", str(run), "-o", str(tmp_path / "out.png")])
+    assert done.exit_code == 1 and "psgrad plot needs matplotlib: pip install 'psgrad[plot]'" in done.output
+    assert not (tmp_path / "out.png").exists()
+    done = CliRunner().invoke(
+        main, ["bench", "--model", "mlp", "--steps", "2", "--codecs", "none", "--plot", str(tmp_path / "b.png")]
+    )
+    assert done.exit_code == 2 and "--plot needs matplotlib" in done.output and "[bench 1/" not in done.output
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--tensorboard", "--log-dir", str(tmp_path / "tb")])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.count("usage error: --tensorboard needs tensorboardX") == 1, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "tb" / "metrics.csv").exists()
+
+
 def _tensorboard_scalars(directory):
     """{tag: [(step, value)]} from TensorBoard event files (TFRecord framing of Event protobufs)."""
     import struct
