@@ -11,3 +11,10 @@ DATASETS = ("synthetic", "proxy", "cifar10", "cifar100")
 FEEDBACKS = ("none", "ef", "dgc")
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 NONFINITE_POLICIES = ("abort", "skip")
+
+
+def wrn_depth_problem(depth: int) -> str | None:
+    """Why ``depth`` is not a WideResNet depth (6n+4, n >= 1: 10, 16, 22, 28, 40, ...), or None."""
+    if depth >= 10 and (depth - 4) % 6 == 0:
+        return None
+    return f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}"

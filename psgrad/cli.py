@@ -165,9 +165,12 @@ def codecs(
 
     from .allocator import keep_freed_memory
     from .bench import codecbench
+    from .choices import wrn_depth_problem
     from .codecs import available_codecs, kernels_name
     from .models import build_model
 
+    if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
+        raise click.BadParameter(problem, param_hint="--depth")
     torch.set_num_threads(threads)
     keep_freed_memory()
     if model is not None:

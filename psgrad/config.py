@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
+from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES, wrn_depth_problem
 from .comm.layout import LAYOUTS, TOPOLOGIES, parse_grid
 
 
@@ -186,6 +186,8 @@ class RunConfig:
             f"--schedule must be constant, multistep or cosine, got {self.schedule!r}",
         )
         need(self.model in MODEL_NAMES, f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
+        if self.model == "wrn":
+            need(wrn_depth_problem(self.depth) is None, f"--depth: {wrn_depth_problem(self.depth)}")
         need(not self.tensorboard or self.log_dir is not None, "--tensorboard writes into --log-dir: give one")
         need(self.timeout >= 0, f"--timeout must be >= 0 seconds (0: automatic), got {self.timeout}")
         need(self.mode in ("sync", "async"), f"--mode must be sync or async, got {self.mode!r}")

@@ -160,19 +160,7 @@ class RunContext:
         )
         transport.check_tag(layer_tag(len(layers)))
         label = cfg.dataset_label if loader_fn is None else "custom data"
-        train_set, test_set = _load_sets(
-            cfg, transport, layout.is_worker(rank) and loader_fn is None, rank == 0 and eval_data is None
-        )
-        loader = None
-        if layout.is_worker(rank):
-            index, workers = layout.worker_index(rank), layout.num_workers
-            if loader_fn is not None:
-                loader = loader_fn(index, workers)
-                loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
-            else:
-                loader = ShardLoader(
-                    train_set, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
-                )
+        loader, test_set = _data(cfg, transport, layout, loader_fn, eval_data is None)
         # collective on every rank (--device may differ per rank): a server counts in no GPU index
         local_worker = transport.local_rank(group=int(layout.is_worker(rank)))
         # every rank agrees on the steps per epoch: the mean of the workers' shards
@@ -448,23 +436,34 @@ class Role:
         """Restore from a checkpoint's ``state`` (the dict ``state_dict`` gave, plus ``step``)."""
 
 
-def _load_sets(
-    cfg: RunConfig, transport: Transport, train: bool, test: bool
-) -> tuple[ImageSet | None, ImageSet | None]:
-    """The training set (a worker's) and the test set (rank 0's, which evaluates), read before
-    the first step (collective): an unreadable archive is one error for the job, said once by the
-    lowest rank that has it (``startup.agree``), not a traceback per rank, nor a failure at the
-    first evaluation hours in."""
+def _data(
+    cfg: RunConfig, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
+) -> tuple[object | None, ImageSet | None]:
+    """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
+    caller brought its own), made before the first step (collective). A dataset that cannot be read,
+    or is too small for one batch a worker, is one error for the job, said once by the lowest rank
+    that has it (``startup.agree``): not a traceback per rank, nor a failure at the first
+    evaluation hours in."""
 
     def load(split: str) -> ImageSet:
         return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
 
-    train_set = test_set = None
+    rank = transport.rank
+    loader = test_set = None
     problem = None
     try:
-        train_set = load("train") if train else None
-        test_set = load("test") if test else None
+        if layout.is_worker(rank):
+            index, workers = layout.worker_index(rank), layout.num_workers
+            if loader_fn is not None:
+                loader = loader_fn(index, workers)
+                loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
+            else:
+                loader = ShardLoader(
+                    load("train"), cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
+                )
+        if rank == 0 and own_test_set:
+            test_set = load("test")
     except (DataError, FileNotFoundError) as err:
         problem = str(err)
     agree(transport, None if problem else cfg, problem, "data error")
-    return train_set, test_set
+    return loader, test_set

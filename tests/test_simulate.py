@@ -249,6 +249,24 @@ def test_an_unreadable_dataset_is_one_data_error_read_once(tmp_path, monkeypatch
     assert sorted(reads) == ["test", "train"]
 
 
+def test_too_few_samples_for_the_workers_or_a_wrong_depth_is_one_error_before_training():
+    """Each was a ValueError and a traceback from every rank (the shards from every worker, the
+    depth from every rank building its model)."""
+    options = ["simulate", "--workers", "2", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--model", "mlp", "--synthetic-size", "10", "--batch-size", "8"])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.count("data error: synthetic10/train: 10 samples over 2 workers is fewer than one batch") == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    done = CliRunner().invoke(main, [*options, "--model", "wrn", "--depth", "11"])
+    assert done.exit_code == 2 and done.output.count("--depth: WideResNet depth must be 6n+4") == 1, done.output
+    assert "Traceback" not in done.output
+    with pytest.raises(ValueError, match="--depth: WideResNet depth must be 6n\\+4"):
+        RunConfig(model="wrn", depth=12).validate()
+    RunConfig(model="mlp", depth=12).validate()  # the depth of a WideResNet only
+    done = CliRunner().invoke(main, ["codecs", "--model", "wrn", "--depth", "11"])
+    assert done.exit_code == 2 and "WideResNet depth must be 6n+4" in done.output and "Traceback" not in done.output
+
+
 def test_threads_that_load_at_once_get_one_set():
     with datasets.shared_loads():
         with ThreadPoolExecutor(8) as pool:

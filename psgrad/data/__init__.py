@@ -165,8 +165,9 @@ class ShardLoader:
         n = len(data.labels)
         self.per_worker = n // workers
         if self.per_worker < batch_size:
-            raise ValueError(
-                f"{data.name}: {n} samples over {workers} workers is fewer than one batch of {batch_size} each"
+            raise DataError(
+                f"{data.name}: {n} samples over {workers} workers is fewer than one batch of {batch_size} each: "
+                "use fewer workers or a smaller --batch-size"
             )
         self.images = torch.from_numpy(data.images)
         self.labels = torch.from_numpy(data.labels)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..choices import wrn_depth_problem
+
 
 class _Block(nn.Module):
     """Pre-activation basic block: BN-ReLU-conv3x3-(dropout)-BN-ReLU-conv3x3, 1x1 conv shortcut on shape change."""
@@ -33,8 +35,8 @@ class _Block(nn.Module):
 class WideResNet(nn.Module):
     def __init__(self, depth: int = 16, widen_factor: int = 4, num_classes: int = 100, dropout: float = 0.0) -> None:
         super().__init__()
-        if (depth - 4) % 6 or depth < 10:
-            raise ValueError(f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}")
+        if (problem := wrn_depth_problem(depth)) is not None:
+            raise ValueError(problem)
         if widen_factor < 1:
             raise ValueError(f"widen factor must be >= 1, got {widen_factor}")
         n = (depth - 4) // 6
