@@ -66,10 +66,12 @@ def test_bench_failing_job_reports_its_error(tmp_path):
     folder.mkdir()
     for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
         (folder / name).write_bytes(b"not a pickle at all")
-    proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", str(tmp_path)])
-    assert proc.returncode != 0
-    assert "exit status 2" in proc.stderr and "data error: " in proc.stderr, proc.stderr
-    assert "is not a readable CIFAR batch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    data = ["--dataset", "cifar10", "--data-dir", str(tmp_path)]
+    for rows in (["--codecs", "none"], ["--codecs", "", "--baselines", "ddp"]):  # psgrad's job, DDP's job
+        proc = _launcher([*SMALL, "--steps", "2", *rows, *data])
+        assert proc.returncode != 0
+        assert "exit status 2" in proc.stderr and proc.stderr.count("data error: ") == 1, proc.stderr
+        assert "is not a readable CIFAR batch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_bench_without_its_data_is_a_usage_error_before_any_job():

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from ..allocator import keep_freed_memory
 from ..config import RunConfig
-from ..data import ShardLoader, eval_batches, load_dataset
+from ..data import DataError, ImageSet, ShardLoader, eval_batches, load_dataset
 from ..models import build_model
 from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
+from ..startup import agree
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 
@@ -107,13 +108,13 @@ def train_rows(
     return rows, evals
 
 
-def _evaluator(cfg: RunConfig, model, rank: int, steps: int):
-    """Rank 0 evaluates ``model`` every ``cfg.eval_steps`` steps and at the last, like psgrad's runs."""
-    if rank != 0 or not cfg.eval_steps:
+def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
+    """With ``test`` (rank 0's, when the row evaluates), ``model`` is evaluated every
+    ``cfg.eval_steps`` steps and at the last, like psgrad's runs."""
+    if test is None:
         return None
     from ..context import evaluate
 
-    test = load_dataset(cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
     layout = memory_format(cfg.memory_format, torch.device("cpu"))
 
     def run(step: int) -> dict | None:
@@ -138,7 +139,16 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     keep_freed_memory()
     transport = Transport()
     rank, workers = transport.rank, transport.size
-    model, loader = _model_and_loader(cfg, rank, workers)
+    model = loader = test = problem = None
+    try:  # as psgrad's own runs: an unreadable dataset is one line for the job (startup.agree)
+        model, loader = _model_and_loader(cfg, rank, workers)
+        if rank == 0 and kind != "compute" and cfg.eval_steps:
+            test = load_dataset(
+                cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
+            )
+    except (DataError, FileNotFoundError) as err:
+        problem = str(err)
+    agree(transport, None if problem else cfg, problem, "data error")
     numel = sum(p.numel() for p in model.parameters())
 
     # the mean shard, as psgrad's runs agree on it
@@ -185,7 +195,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 elements, seen["after"] = (after - seen["after"]) or numel, after
                 return _ring_bytes(elements, workers)
 
-        evaluate = _evaluator(cfg, model, rank, steps)
+        evaluate = _evaluator(cfg, model, test, steps)
         rows, evals = train_rows(cfg, ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
