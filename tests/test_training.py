@@ -63,25 +63,25 @@ def test_cifar10_reader(tmp_path):
     assert load_cifar("cifar10", tmp_path, "test").images.shape == (3, 3, 32, 32)
 
 
-def test_cifar100_reader_from_tar_gz(tmp_path):
+def _cifar100_archive(tmp_path, train_images: int, name: str = "cifar-100-python.tar.gz"):
+    """A CIFAR-100 .tar.gz of ``train_images`` training and 2 test images at ``tmp_path / name``."""
     src = tmp_path / "src" / "cifar-100-python"
     src.mkdir(parents=True)
-    _write_batch(src / "train", 6, b"fine_labels", 100, 1)
+    _write_batch(src / "train", train_images, b"fine_labels", 100, 1)
     _write_batch(src / "test", 2, b"fine_labels", 100, 2)
-    with tarfile.open(tmp_path / "cifar-100-python.tar.gz", "w:gz") as tar:
+    with tarfile.open(tmp_path / name, "w:gz") as tar:
         tar.add(src, arcname="cifar-100-python")
+    return tmp_path / name
+
+
+def test_cifar100_reader_from_tar_gz(tmp_path):
+    _cifar100_archive(tmp_path, 6)
     data = load_cifar("cifar100", tmp_path, "train")
     assert data.images.shape == (6, 3, 32, 32) and data.labels.max() < 100
 
 
 def test_a_truncated_cifar_archive_says_to_download_it_again(tmp_path):
-    src = tmp_path / "src" / "cifar-100-python"
-    src.mkdir(parents=True)
-    _write_batch(src / "train", 400, b"fine_labels", 100, 1)
-    _write_batch(src / "test", 2, b"fine_labels", 100, 2)
-    with tarfile.open(tmp_path / "whole.tar.gz", "w:gz") as tar:
-        tar.add(src, arcname="cifar-100-python")
-    whole = (tmp_path / "whole.tar.gz").read_bytes()
+    whole = _cifar100_archive(tmp_path, 400, "whole.tar.gz").read_bytes()
     (tmp_path / "cifar-100-python.tar.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DataError, match="truncated or corrupt: download cifar-100-python.tar.gz again"):
         load_cifar("cifar100", tmp_path, "train")
