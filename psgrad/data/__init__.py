@@ -74,10 +74,11 @@ _shared = _SharedSets()
 @contextlib.contextmanager
 def shared_loads() -> Iterator[None]:
     """Within it, ``load_dataset`` loads each set once for all threads of this process and hands
-    every caller that same set, or raises that load's error again (``psgrad simulate``: without it, 16 simulated workers read and held
-    16 copies of CIFAR-100's 150 MB, a minute of start-up). The sets are read-only to their users
-    (``ShardLoader`` and ``eval_batches`` copy what they take); they are dropped when the last
-    ``shared_loads`` ends, so nothing stays loaded beyond the simulation."""
+    every caller that same set, or raises that load's error again (``psgrad simulate``: without
+    it, 16 simulated workers read and held 16 copies of CIFAR-100's 150 MB, a minute of
+    start-up). The sets are read-only to their users (``ShardLoader`` and ``eval_batches`` copy
+    what they take); they are dropped when the last ``shared_loads`` ends, so nothing stays
+    loaded beyond the simulation."""
     with _shared.lock:
         _shared.depth += 1
     try:

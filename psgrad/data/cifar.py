@@ -40,8 +40,9 @@ URL_HINT = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
 class DataError(ValueError):
-    """A dataset's files are there but cannot be read as CIFAR: the message names the file, says
-    why, and what to do."""
+    """A dataset that cannot serve the run: its files are there but cannot be read as CIFAR, or it
+    holds fewer samples than one batch a worker (``ShardLoader``). The message says what is wrong
+    and what to do."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
