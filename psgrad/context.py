@@ -436,6 +436,11 @@ class Role:
         """Restore from a checkpoint's ``state`` (the dict ``state_dict`` gave, plus ``step``)."""
 
 
+def load_split(cfg: RunConfig, split: str) -> ImageSet:
+    """``split`` ("train" or "test") of ``cfg``'s dataset: read (CIFAR) or generated from its seed."""
+    return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+
+
 def _data(
     cfg: RunConfig, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> tuple[object | None, ImageSet | None]:
@@ -444,9 +449,6 @@ def _data(
     or is too small for one batch a worker, is one error for the job, said once by the lowest rank
     that has it (``startup.agree``): not a traceback per rank, nor a failure at the first
     evaluation hours in."""
-
-    def load(split: str) -> ImageSet:
-        return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
 
     rank = transport.rank
     loader = test_set = None
@@ -459,10 +461,17 @@ def _data(
                 loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
             else:
                 loader = ShardLoader(
-                    load("train"), cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
+                    load_split(cfg, "train"),
+                    cfg.dataset,
+                    index,
+                    workers,
+                    cfg.batch_size,
+                    cfg.seed,
+                    cfg.partition,
+                    cfg.augment,
                 )
         if rank == 0 and own_test_set:
-            test_set = load("test")
+            test_set = load_split(cfg, "test")
     except (DataError, FileNotFoundError) as err:
         problem = str(err)
     agree(transport, None if problem else cfg, problem, "data error")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..allocator import keep_freed_memory
 from ..config import RunConfig
-from ..data import DataError, ImageSet, ShardLoader, eval_batches, load_dataset
+from ..data import DataError, ImageSet, ShardLoader, eval_batches
 from ..models import build_model
 from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
@@ -42,9 +42,11 @@ BASELINES = ("compute", "ddp", "ddp-powersgd")
 
 
 def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
+    from ..context import load_split  # as every context import here: mpi4py's MPI only inside the job
+
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
-    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+    data = load_split(cfg, "train")
     loader = ShardLoader(data, cfg.dataset, worker, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment)
     return model, loader
 
@@ -143,9 +145,9 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     try:  # as psgrad's own runs: an unreadable dataset is one line for the job (startup.agree)
         model, loader = _model_and_loader(cfg, rank, workers)
         if rank == 0 and kind != "compute" and cfg.eval_steps:
-            test = load_dataset(
-                cfg.dataset, "test", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed
-            )
+            from ..context import load_split
+
+            test = load_split(cfg, "test")
     except (DataError, FileNotFoundError) as err:
         problem = str(err)
     agree(transport, None if problem else cfg, problem, "data error")
