@@ -132,6 +132,10 @@ class RunConfig:
             not make_codec(self.down_codec).multi_round,
             f"--down-codec {self.down_codec}: a multi-round codec's reply is its own down-link; use it as --codec",
         )
+        need(
+            not self.grid or self.topology == "torus",
+            f"--grid {self.grid} shapes a torus: it means nothing to --topology {self.topology} (use --topology torus)",
+        )
         if LAYOUTS.get(self.topology) == "gossip":
             need(0 < self.consensus_step <= 1, f"--consensus-step must be in (0, 1], got {self.consensus_step}")
             need(

@@ -347,6 +347,17 @@ def test_world_size_adds_the_servers_of_the_ps_topology():
         world_size(RunConfig(topology="torus", grid="2x3"), 4)
 
 
+def test_a_grid_without_a_torus_is_refused():
+    """A ring given --grid 2x2 ran as a ring and said nothing of the grid it ignored."""
+    for topology in ("ring", "ps", "alltoall"):
+        with pytest.raises(ValueError, match=f"--grid 2x2 shapes a torus: it means nothing to --topology {topology}"):
+            RunConfig(topology=topology, grid="2x2").validate()
+    RunConfig(topology="torus", grid="2x2").validate()
+    options = ["simulate", "--workers", "4", "--model", "mlp", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--topology", "ring", "--grid", "2x2"])
+    assert done.exit_code == 2 and "shapes a torus" in done.output, done.output
+
+
 def test_a_failing_rank_ends_every_rank_with_its_own_error():
     class Boom(RuntimeError):
         pass
