@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 from .startup import agree
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 
 _GLOBAL_RNG = threading.Lock()
 """Held while a model is built from torch's global generator: simulated ranks share a process,
@@ -441,38 +442,39 @@ def load_split(cfg: RunConfig, split: str) -> ImageSet:
     return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
 
 
+def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> T | None:
+    """``read()`` on every rank, then agree (collective): a dataset that cannot serve the run
+    (``DataError``, a missing file) is one error for the job, said once by the lowest rank that has
+    it (``startup.agree``), and ``AgreementError`` on every rank; not a traceback per rank."""
+    try:
+        result, problem = read(), None
+    except (DataError, FileNotFoundError) as err:
+        result, problem = None, str(err)
+    agree(transport, None if problem else cfg, problem, "data error")
+    return result
+
+
 def _data(
     cfg: RunConfig, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> tuple[object | None, ImageSet | None]:
     """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
-    caller brought its own), made before the first step (collective). A dataset that cannot be read,
-    or is too small for one batch a worker, is one error for the job, said once by the lowest rank
-    that has it (``startup.agree``): not a traceback per rank, nor a failure at the first
-    evaluation hours in."""
-
+    caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be
+    read, or is too small for one batch a worker, stops the job here, not at the first evaluation
+    hours in."""
     rank = transport.rank
-    loader = test_set = None
-    problem = None
-    try:
+
+    def read() -> tuple[object | None, ImageSet | None]:
+        loader = None
         if layout.is_worker(rank):
             index, workers = layout.worker_index(rank), layout.num_workers
             if loader_fn is not None:
                 loader = loader_fn(index, workers)
                 loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
             else:
+                train = load_split(cfg, "train")
                 loader = ShardLoader(
-                    load_split(cfg, "train"),
-                    cfg.dataset,
-                    index,
-                    workers,
-                    cfg.batch_size,
-                    cfg.seed,
-                    cfg.partition,
-                    cfg.augment,
+                    train, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
                 )
-        if rank == 0 and own_test_set:
-            test_set = load_split(cfg, "test")
-    except (DataError, FileNotFoundError) as err:
-        problem = str(err)
-    agree(transport, None if problem else cfg, problem, "data error")
-    return loader, test_set
+        return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
+
+    return read_agreed(cfg, transport, read)

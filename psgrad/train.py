@@ -101,9 +101,12 @@ def run(
 
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
-    """What stops this rank before anything is built: rank 0's log dir, a worker's device."""
-    if rank == 0 and (problem := cfg.log_dir_problem() or (cfg.tensorboard and tensorboard_problem())):
-        return problem
+    """What stops this rank before anything is built: rank 0's log dir and TensorBoard writer, a
+    worker's device."""
+    if rank == 0:
+        problem = cfg.log_dir_problem() or (tensorboard_problem() if cfg.tensorboard else None)
+        if problem is not None:
+            return problem
     return device_problem(cfg) if layout.is_worker(rank) else None
 
 

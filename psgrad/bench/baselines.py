@@ -32,11 +32,10 @@ import torch.nn.functional as F
 
 from ..allocator import keep_freed_memory
 from ..config import RunConfig
-from ..data import DataError, ImageSet, ShardLoader, eval_batches
+from ..data import ImageSet, ShardLoader, eval_batches
 from ..models import build_model
 from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
-from ..startup import agree
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 
@@ -136,21 +135,20 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
     from ..comm.transport import Transport  # imported here: importing mpi4py's MPI initialises MPI
+    from ..context import load_split, read_agreed
 
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()
     transport = Transport()
     rank, workers = transport.rank, transport.size
-    model = loader = test = problem = None
-    try:  # as psgrad's own runs: an unreadable dataset is one line for the job (startup.agree)
-        model, loader = _model_and_loader(cfg, rank, workers)
-        if rank == 0 and kind != "compute" and cfg.eval_steps:
-            from ..context import load_split
 
-            test = load_split(cfg, "test")
-    except (DataError, FileNotFoundError) as err:
-        problem = str(err)
-    agree(transport, None if problem else cfg, problem, "data error")
+    def read():
+        model, loader = _model_and_loader(cfg, rank, workers)
+        evaluates = rank == 0 and kind != "compute" and cfg.eval_steps
+        return model, loader, load_split(cfg, "test") if evaluates else None
+
+    # as psgrad's own runs: an unreadable dataset is one line for the job
+    model, loader, test = read_agreed(cfg, transport, read)
     numel = sum(p.numel() for p in model.parameters())
 
     # the mean shard, as psgrad's runs agree on it
