@@ -107,6 +107,18 @@ def resolve(resume: str | Path) -> Path:
     return max(complete)[1]
 
 
+def resume_hint(log_dir: str | Path | None) -> str | None:
+    """What to run to continue an interrupted run in ``log_dir``: its newest complete checkpoint
+    and the ``--resume`` that takes it; None when it has none."""
+    if not log_dir:
+        return None
+    try:
+        newest = resolve(log_dir)
+    except CheckpointError:
+        return None
+    return f"the newest complete checkpoint is {newest}: continue the run with --resume {log_dir}"
+
+
 def written_ranks(resume: str | Path) -> int:
     """How many ranks wrote the checkpoint ``--resume`` names (CheckpointError if there is none)."""
     return _marker(resolve(resume))["ranks"]

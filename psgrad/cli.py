@@ -33,10 +33,12 @@ class _Commands(click.Group):
     exits with status 2 — not once per rank, interleaved."""
 
     def invoke(self, ctx: click.Context):
-        from .startup import AgreementError, launched_ranks
+        from .startup import INTERRUPTED, AgreementError, launched_ranks
 
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # the command said where it stopped; click would add "Aborted!", status 1
+            ctx.exit(INTERRUPTED)
         except click.UsageError as err:
             if ctx.invoked_subcommand not in TRAINING_COMMANDS or launched_ranks() < 2:
                 raise

@@ -56,6 +56,14 @@ TENSORBOARD_MISSING = (
 )
 
 
+def say(message: str) -> None:
+    """Print a line on standard error above this process's progress bar, if one is showing
+    (``tqdm.write``), rather than after the bar's text on its line."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
 def tensorboard_problem() -> str | None:
     """Why ``--tensorboard`` cannot write here (neither tensorboardX nor tensorboard is
     installed), or None: rank 0 says so before anything is built (``train.run``)."""
@@ -197,10 +205,7 @@ class MetricsLog:
             self.tb.add_scalar("test/loss", row["test_loss"], row["step"])
             self.tb.add_scalar("test/acc", row["test_acc"], row["step"])
         message = f"[eval] epoch {row['epoch']:.2f} step {row['step']}: test loss {row['test_loss']:.4f}, accuracy {row['test_acc']:.4f} ({row['dataset']})"
-        if self.bar:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr)
+        say(message)
 
     def close(self) -> None:
         if self.bar:

@@ -31,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import memory
+from . import checkpoint, memory
 from .comm import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
 from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
 from .config import RunConfig
 from .context import LossFn
 from .data import shared_loads
+from .metrics import say
 from .optim import OptimizerFn
 from .stacked import StackedWorkers
 from .train import RunResult, run
@@ -132,12 +133,15 @@ def simulate(
                     thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
                     world.watch()
         except KeyboardInterrupt:
+            say("[psgrad] interrupted")
             world.fail("interrupted")
             if world.stacked is not None:
                 world.stacked.close("interrupted")
             deadline = time.monotonic() + 10.0
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
+            if (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:  # now no rank writes one any more
+                say(f"[psgrad] {hint}")
             raise
         finally:
             if world.stacked is not None:

@@ -346,10 +346,11 @@ class StackedWorkers:
             return
         try:
             done.set_result(self._compute(parts, threads))
-        except BaseException as err:  # handed to the waiting worker; Ctrl-C also goes on up
+        except Exception as err:  # handed to the waiting worker
             done.set_exception(err)
-            if not isinstance(err, Exception):
-                raise
+        except BaseException:  # Ctrl-C: the simulation stops; the waiting worker just stops with it
+            done.set_exception(OtherRankFailed("stopping: interrupted"))
+            raise
 
     def member(self, rank: int) -> StackedMember:
         return StackedMember(self, rank)

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
 PER_RANK = frozenset({"device", "threads", "progress"})
 """Settings a rank may have of its own (a GPU worker beside a CPU server, the bar on rank 0)."""
 
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), as a shell reports a command it interrupted (128 + 2)."""
+
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
 
 

@@ -8,7 +8,9 @@ is aborted (no hangs).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -24,10 +26,10 @@ from .comm.transport import PeerFailure, Transport
 from .comm.watchdog import Report, Watchdog
 from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
-from .metrics import tensorboard_problem
+from .metrics import say, tensorboard_problem
 from .optim import OptimizerFn
 from .roles import ROLES
-from .startup import AgreementError, agree
+from .startup import INTERRUPTED, AgreementError, agree
 
 
 @dataclass
@@ -88,7 +90,17 @@ def run(
         if isinstance(err, AgreementError):  # said once, by one rank; every rank ends with it
             watchdog.stop()
             raise
-        print(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}", file=sys.stderr)
+        if isinstance(err, KeyboardInterrupt):  # Ctrl-C: where it stopped, not a traceback
+            say(f"[psgrad rank {transport.rank}] interrupted while {report().doing}")
+            if transport.rank == 0 and (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:
+                say(f"[psgrad] {hint}")
+            if transport.size > 1:
+                if threading.current_thread() is threading.main_thread():  # only it may set handlers
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the abort short
+                watchdog.claim("interrupted")
+                transport.abort(INTERRUPTED)
+            raise
+        say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
         if not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
             traceback.print_exc(file=sys.stderr)
         if transport.size > 1:

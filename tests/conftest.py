@@ -33,14 +33,49 @@ def mpiexec() -> str:
 def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` with its output captured and no stdin; a hang fails the test at ``timeout``
     instead of stalling CI. ``env`` is added to this process's environment (None values remove)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env = {key: value for key, value in full_env.items() if value is not None}
     try:
         return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL
+            cmd, capture_output=True, text=True, timeout=timeout, env=_environment(env), stdin=subprocess.DEVNULL
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")
+
+
+def _environment(env: dict | None) -> dict:
+    """This process's environment, one torch thread, and ``env`` added (None values remove)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return {key: value for key, value in full_env.items() if value is not None}
+
+
+def interrupt_when(
+    cmd: list[str], ready, err_file: Path, timeout: float = 180, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Start ``cmd`` in a process group of its own, poll ``ready(stderr so far)`` until it holds,
+    then send SIGINT to the whole group (what Ctrl-C in a terminal does) and wait for the end; a
+    command that never gets ready or never ends fails the test at ``timeout``. Standard error goes
+    through ``err_file`` so it can be read while the command runs."""
+    import signal
+    import time
+
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True, env=_environment(env),
+            start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready(err_file.read_text()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{' '.join(cmd)} ended or hung before it was ready:\n{err_file.read_text()[-3000:]}")
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)} did not end after Ctrl-C:\n{err_file.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err_file.read_text())
 
 
 def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@ import json
 import sys
 
 import pytest
-from conftest import mpiexec, run_bounded, run_mpi
+from conftest import interrupt_when, mpiexec, run_bounded, run_mpi
 
 from psgrad.bench import hidden_share, summarize
 from psgrad.models import build_model
@@ -10,10 +10,12 @@ from psgrad.models import build_model
 SMALL = ["--model", "mlp", "--batch-size", "8", "--synthetic-size", "256"]
 
 
+OUTSIDE_MPI = {key: None for key in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")}
+"""No inherited rank variables: psgrad bench as a user starts it, outside any MPI job."""
+
+
 def _launcher(args: list[str], timeout: float = 300):
-    """psgrad bench as a user starts it, outside any MPI job (no inherited rank variables)."""
-    outside = {key: None for key in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")}
-    return run_bounded([sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *args], timeout, outside)
+    return run_bounded([sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *args], timeout, OUTSIDE_MPI)
 
 
 def test_bench_inside_one_mpi_job(tmp_path):
@@ -78,6 +80,23 @@ def test_bench_without_its_data_is_a_usage_error_before_any_job():
     proc = _launcher([*SMALL, "--steps", "2", "--codecs", "none", "--dataset", "cifar10", "--data-dir", "/nonexistent"])
     assert proc.returncode == 2, proc.stderr
     assert "cifar-10-python.tar.gz exists" in proc.stderr and "[bench 1/" not in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_stops_the_running_job_and_says_so(tmp_path):
+    """Ctrl-C during a row's job: the launcher ends the job (its own process group, which the
+    terminal's SIGINT does not reach), says which run it stopped, and exits 130 without a
+    traceback or click's "Aborted!"."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *SMALL, "--steps", "100000"]
+    proc = interrupt_when(
+        [*cmd, "--codecs", "none;sign"], lambda err: "[bench 1/2]" in err, tmp_path / "err", env=OUTSIDE_MPI
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "[bench] interrupted in run 1/2: its job was stopped, no table" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
+    left = subprocess.run(["pgrep", "-f", "-m", "psgrad.bench /"], capture_output=True, text=True).stdout
+    assert left == "", f"the interrupted job's ranks are still running: {left}"
 
 
 def test_baselines_need_the_launcher():

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from conftest import metrics_rows, run_bounded, run_local_ranks, train_runs
+from conftest import interrupt_when, metrics_rows, run_bounded, run_local_ranks, train_runs
 
 from psgrad import data as datasets
 from psgrad.cli import main
@@ -611,3 +611,28 @@ def test_simulate_starts_no_mpi(tmp_path):
     proc = run_bounded([*cli, "--no-progress", "--data-dir", str(tmp_path)], timeout=120, env={"UCX_TLS": "bogus"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 2 steps" in proc.stderr + proc.stdout
+
+
+def test_ctrl_c_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tmp_path):
+    """Ctrl-C during ``psgrad simulate``: one line, the newest complete checkpoint and the --resume
+    that continues it, status 130; no rank's traceback (a worker whose stacked pass the interrupt
+    cut short only stops), no click "Aborted!"."""
+    from psgrad import checkpoint
+
+    log = tmp_path / "run"
+    small_wrn = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "8"]
+    args = [*small_wrn, "--steps", "100000", "--checkpoint-every", "5", "--no-progress", "--log-dir", str(log)]
+
+    def checkpointed(_err: str) -> bool:
+        try:
+            return checkpoint.resolve(log) is not None
+        except checkpoint.CheckpointError:
+            return False
+
+    cmd = [sys.executable, "-m", "psgrad", "simulate", "--workers", "4", *args]
+    proc = interrupt_when(cmd, checkpointed, tmp_path / "err")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.count("[psgrad] interrupted\n") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
+    hint = f"the newest complete checkpoint is {checkpoint.resolve(log)}: continue the run with --resume {log}"
+    assert hint in proc.stderr, proc.stderr[-3000:]

@@ -175,6 +175,26 @@ def test_a_pass_nobody_will_run_stops_its_rank_once_the_simulation_is_closed():
     assert [str(err) for err in outcomes] == ["stopping: interrupted"] * 2, outcomes
 
 
+def test_ctrl_c_during_a_pass_stops_its_rank_quietly_and_goes_on_up(monkeypatch):
+    """Ctrl-C lands in the serving thread, most often in a stacked pass: the serving thread raises
+    it (the simulation stops) and the rank that handed the pass in stops as from another rank's
+    failure, with nothing to report (not a KeyboardInterrupt of its own, printed with a traceback)."""
+    from concurrent.futures import Future
+
+    workers = stacked_module.StackedWorkers(Meeting(LocalWorld(2, 30.0), 2))
+
+    def interrupted(parts, threads):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "_compute", interrupted)
+    done: Future = Future()
+    workers.passes.put((done, {}, 1))
+    with pytest.raises(KeyboardInterrupt):
+        workers.serve(1.0)
+    err = done.exception(timeout=0)
+    assert isinstance(err, OtherRankFailed) and err.reported_elsewhere, err
+
+
 # ---------------------------------------------------------------------- the meeting
 def _meet(size: int, body) -> list:
     world = LocalWorld(size, 30.0)

@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import metrics_rows, run_mpi, run_script, train_runs
+from conftest import interrupt_when, metrics_rows, mpiexec, run_mpi, run_script, train_runs
 
 from psgrad.config import RunConfig
 from psgrad.data import DataError, ShardLoader, augment, load_cifar, load_dataset
@@ -492,6 +492,31 @@ def test_killed_at_random_moments_the_newest_complete_checkpoint_resumes_bit_exa
     print("\n".join(outcomes))
     resumed_runs = sum(o.startswith("resumed") for o in outcomes)
     assert resumed_runs >= max(1, len(outcomes) // 2), f"too few kills landed mid-training: {outcomes}"
+
+
+def test_ctrl_c_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resume(tmp_path):
+    """Ctrl-C in the terminal of ``mpiexec … psgrad train`` (SIGINT to mpiexec and the ranks): each
+    rank says what it was doing, rank 0 names the newest complete checkpoint and the --resume that
+    continues it, and the job exits 130 (as a shell reports an interrupted command), without a
+    traceback."""
+    from psgrad import checkpoint
+
+    log = tmp_path / "run"
+    args = ["--model", "mlp", "--steps", "100000", "--checkpoint-every", "5", "--no-progress", "--log-dir", str(log)]
+
+    def checkpointed(_err: str) -> bool:
+        try:
+            return checkpoint.resolve(log) is not None
+        except checkpoint.CheckpointError:
+            return False
+
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "psgrad", "train", *args]
+    proc = interrupt_when(cmd, checkpointed, tmp_path / "err")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("interrupted while") >= 1, proc.stderr[-3000:]
+    newest = checkpoint.resolve(log)
+    hint = f"the newest complete checkpoint is {newest}: continue the run with --resume {log}"
+    assert proc.stderr.count(hint) == 1, proc.stderr[-3000:]
 
 
 def test_custom_model_without_test_data_is_refused():

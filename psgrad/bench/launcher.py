@@ -325,7 +325,11 @@ def orchestrate(
                 where = f"{bandwidth} links" if bandwidth else "loopback"
                 print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
                 started = time.perf_counter()
-                _run_job(cmd, env, timeout)
+                try:
+                    _run_job(cmd, env, timeout)
+                except KeyboardInterrupt:
+                    print(f"[bench] interrupted in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
+                    raise
                 if not out.exists():
                     raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
                 m = json.loads(out.read_text())
