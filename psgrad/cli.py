@@ -33,12 +33,13 @@ class _Commands(click.Group):
     exits with status 2 — not once per rank, interleaved."""
 
     def invoke(self, ctx: click.Context):
-        from .startup import INTERRUPTED, AgreementError, launched_ranks
+        from .startup import AgreementError, launched_ranks, sigterm_raises, stop_reason
 
         try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:  # the command said where it stopped; click would add "Aborted!", status 1
-            ctx.exit(INTERRUPTED)
+            with sigterm_raises():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as err:  # the command said where it stopped; click would add "Aborted!", status 1
+            ctx.exit(stop_reason(err)[1])
         except click.UsageError as err:
             if ctx.invoked_subcommand not in TRAINING_COMMANDS or launched_ranks() < 2:
                 raise

@@ -41,6 +41,7 @@ from .data import shared_loads
 from .metrics import say
 from .optim import OptimizerFn
 from .stacked import StackedWorkers
+from .startup import stop_reason
 from .train import RunResult, run
 
 DEFAULT_STALL = 60.0
@@ -132,11 +133,12 @@ def simulate(
                     # in slices: Ctrl-C reaches this thread between them, and memory is looked at
                     thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
                     world.watch()
-        except KeyboardInterrupt:
-            say("[psgrad] interrupted")
-            world.fail("interrupted")
+        except KeyboardInterrupt as err:
+            reason, _ = stop_reason(err)
+            say(f"[psgrad] {reason}")
+            world.fail(reason)
             if world.stacked is not None:
-                world.stacked.close("interrupted")
+                world.stacked.close(reason)
             deadline = time.monotonic() + 10.0
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))

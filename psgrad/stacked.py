@@ -348,7 +348,7 @@ class StackedWorkers:
             done.set_result(self._compute(parts, threads))
         except Exception as err:  # handed to the waiting worker
             done.set_exception(err)
-        except BaseException:  # Ctrl-C: the simulation stops; the waiting worker just stops with it
+        except BaseException:  # Ctrl-C or SIGTERM: the simulation stops; the waiting worker stops with it
             done.set_exception(OtherRankFailed("stopping: interrupted"))
             raise
 

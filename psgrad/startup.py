@@ -14,9 +14,13 @@ So the first thing every rank does under MPI is ``agree``:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
@@ -28,12 +32,54 @@ PER_RANK = frozenset({"device", "threads", "progress"})
 
 INTERRUPTED = 130
 """Exit status after Ctrl-C (SIGINT), as a shell reports a command it interrupted (128 + 2)."""
+TERMINATED = 143
+"""Exit status after SIGTERM (128 + 15)."""
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
 
 
 class AgreementError(ValueError):
     """The ranks do not agree; the message was printed once, by one rank."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's cancel or time limit, ``kill``, ``timeout``) while ``sigterm_raises``
+    is on. A KeyboardInterrupt, so that psgrad stops on it as on Ctrl-C, where every wait and every
+    thread hand-off already expects one."""
+
+
+def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
+    """How a stop by signal is said, and the exit status a shell reports for it."""
+    return ("terminated (SIGTERM)", TERMINATED) if isinstance(err, Terminated) else ("interrupted", INTERRUPTED)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within, SIGTERM raises ``Terminated`` in the main thread instead of ending the process at
+    once: a rank then says what it was doing and which checkpoint resumes the run, where it would
+    otherwise die without a word (and its sentinel blame it as killed or crashed), and ``psgrad
+    bench`` ends its running job instead of leaving it behind. Elsewhere than in the main thread
+    (which alone may set handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def ignore_further_stops() -> None:
+    """On the way down after a stop by signal: a second Ctrl-C or SIGTERM must not cut the rest
+    short (the rank's abort of the job). Main thread only, as every handler."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def launched_ranks() -> int:

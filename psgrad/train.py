@@ -8,9 +8,7 @@ is aborted (no hangs).
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -29,7 +27,7 @@ from .context import LossFn, RunContext, device_problem
 from .metrics import say, tensorboard_problem
 from .optim import OptimizerFn
 from .roles import ROLES
-from .startup import INTERRUPTED, AgreementError, agree
+from .startup import AgreementError, agree, ignore_further_stops, stop_reason
 
 
 @dataclass
@@ -90,15 +88,15 @@ def run(
         if isinstance(err, AgreementError):  # said once, by one rank; every rank ends with it
             watchdog.stop()
             raise
-        if isinstance(err, KeyboardInterrupt):  # Ctrl-C: where it stopped, not a traceback
-            say(f"[psgrad rank {transport.rank}] interrupted while {report().doing}")
+        if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
+            reason, status = stop_reason(err)
+            say(f"[psgrad rank {transport.rank}] {reason} while {report().doing}")
             if transport.rank == 0 and (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:
                 say(f"[psgrad] {hint}")
             if transport.size > 1:
-                if threading.current_thread() is threading.main_thread():  # only it may set handlers
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the abort short
-                watchdog.claim("interrupted")
-                transport.abort(INTERRUPTED)
+                ignore_further_stops()
+                watchdog.claim(reason)
+                transport.abort(status)
             raise
         say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
         if not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do

@@ -14,6 +14,7 @@ def device(request):
 import csv  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -48,13 +49,19 @@ def _environment(env: dict | None) -> dict:
 
 
 def interrupt_when(
-    cmd: list[str], ready, err_file: Path, timeout: float = 180, env: dict | None = None
+    cmd: list[str],
+    ready,
+    err_file: Path,
+    timeout: float = 180,
+    env: dict | None = None,
+    sig: int = signal.SIGINT,
+    group: bool = True,
 ) -> subprocess.CompletedProcess:
     """Start ``cmd`` in a process group of its own, poll ``ready(stderr so far)`` until it holds,
-    then send SIGINT to the whole group (what Ctrl-C in a terminal does) and wait for the end; a
-    command that never gets ready or never ends fails the test at ``timeout``. Standard error goes
-    through ``err_file`` so it can be read while the command runs."""
-    import signal
+    then send ``sig`` to the whole group (SIGINT: what Ctrl-C in a terminal does) or with ``group``
+    False to ``cmd``'s process alone (``kill PID``), and wait for the end; a command that never gets
+    ready or never ends fails the test at ``timeout``. Standard error goes through ``err_file`` so
+    it can be read while the command runs."""
     import time
 
     with open(err_file, "w") as err:
@@ -68,10 +75,13 @@ def interrupt_when(
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"{' '.join(cmd)} ended or hung before it was ready:\n{err_file.read_text()[-3000:]}")
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{' '.join(cmd)} did not end after Ctrl-C:\n{err_file.read_text()[-3000:]}")
+        pytest.fail(f"{' '.join(cmd)} did not end after signal {sig}:\n{err_file.read_text()[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

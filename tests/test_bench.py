@@ -82,18 +82,25 @@ def test_bench_without_its_data_is_a_usage_error_before_any_job():
     assert "cifar-10-python.tar.gz exists" in proc.stderr and "[bench 1/" not in proc.stderr, proc.stderr
 
 
-def test_ctrl_c_stops_the_running_job_and_says_so(tmp_path):
-    """Ctrl-C during a row's job: the launcher ends the job (its own process group, which the
-    terminal's SIGINT does not reach), says which run it stopped, and exits 130 without a
-    traceback or click's "Aborted!"."""
+@pytest.mark.parametrize(
+    "signal_name,group,said,status",
+    [("SIGINT", True, "interrupted", 130), ("SIGTERM", False, "terminated (SIGTERM)", 143)],
+)
+def test_a_signal_stops_the_running_job_and_says_so(tmp_path, signal_name, group, said, status):
+    """Ctrl-C (SIGINT to the terminal's process group) or ``kill`` (SIGTERM to the launcher alone)
+    during a row's job: the launcher ends the job, which runs in a process group of its own that
+    neither signal reaches (SIGTERM used to end the launcher at once and leave the job running),
+    says which run it stopped, and exits 130 or 143 without a traceback or click's "Aborted!"."""
+    import signal
     import subprocess
 
     cmd = [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *SMALL, "--steps", "100000"]
     proc = interrupt_when(
-        [*cmd, "--codecs", "none;sign"], lambda err: "[bench 1/2]" in err, tmp_path / "err", env=OUTSIDE_MPI
-    )
-    assert proc.returncode == 130, proc.stderr[-3000:]
-    assert "[bench] interrupted in run 1/2: its job was stopped, no table" in proc.stderr, proc.stderr[-3000:]
+        [*cmd, "--codecs", "none;sign"], lambda err: "[bench 1/2]" in err, tmp_path / "err", env=OUTSIDE_MPI,
+        sig=getattr(signal, signal_name), group=group,
+    )  # fmt: skip
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert f"[bench] {said} in run 1/2: its job was stopped, no table" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
     left = subprocess.run(["pgrep", "-f", "-m", "psgrad.bench /"], capture_output=True, text=True).stdout
     assert left == "", f"the interrupted job's ranks are still running: {left}"

@@ -613,10 +613,15 @@ def test_simulate_starts_no_mpi(tmp_path):
     assert "done: 2 steps" in proc.stderr + proc.stdout
 
 
-def test_ctrl_c_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tmp_path):
-    """Ctrl-C during ``psgrad simulate``: one line, the newest complete checkpoint and the --resume
-    that continues it, status 130; no rank's traceback (a worker whose stacked pass the interrupt
-    cut short only stops), no click "Aborted!"."""
+@pytest.mark.parametrize(
+    "signal_name,said,status", [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated (SIGTERM)", 143)]
+)
+def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tmp_path, signal_name, said, status):
+    """Ctrl-C or SIGTERM during ``psgrad simulate``: one line, the newest complete checkpoint and
+    the --resume that continues it, status 130 or 143; no rank's traceback (a worker whose stacked
+    pass the interrupt cut short only stops), no click "Aborted!"."""
+    import signal
+
     from psgrad import checkpoint
 
     log = tmp_path / "run"
@@ -630,9 +635,9 @@ def test_ctrl_c_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tm
             return False
 
     cmd = [sys.executable, "-m", "psgrad", "simulate", "--workers", "4", *args]
-    proc = interrupt_when(cmd, checkpointed, tmp_path / "err")
-    assert proc.returncode == 130, proc.stderr[-3000:]
-    assert proc.stderr.count("[psgrad] interrupted\n") == 1, proc.stderr[-3000:]
+    proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name))
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert proc.stderr.count(f"[psgrad] {said}\n") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
     hint = f"the newest complete checkpoint is {checkpoint.resolve(log)}: continue the run with --resume {log}"
     assert hint in proc.stderr, proc.stderr[-3000:]

@@ -494,11 +494,21 @@ def test_killed_at_random_moments_the_newest_complete_checkpoint_resumes_bit_exa
     assert resumed_runs >= max(1, len(outcomes) // 2), f"too few kills landed mid-training: {outcomes}"
 
 
-def test_ctrl_c_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resume(tmp_path):
-    """Ctrl-C in the terminal of ``mpiexec … psgrad train`` (SIGINT to mpiexec and the ranks): each
-    rank says what it was doing, rank 0 names the newest complete checkpoint and the --resume that
-    continues it, and the job exits 130 (as a shell reports an interrupted command), without a
-    traceback."""
+@pytest.mark.parametrize(
+    "signal_name,group,said,status",
+    [("SIGINT", True, "interrupted", 130), ("SIGTERM", True, "terminated (SIGTERM)", 143),
+     ("SIGTERM", False, "terminated (SIGTERM)", 143)],
+)  # fmt: skip
+def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resume(
+    tmp_path, signal_name, group, said, status
+):
+    """Ctrl-C in the terminal of ``mpiexec … psgrad train`` (SIGINT to mpiexec and the ranks), or
+    SIGTERM to them all (a scheduler's cancel) or to mpiexec alone (``kill``, which it forwards):
+    each rank says what stopped it and what it was doing, rank 0 names the newest complete
+    checkpoint and the --resume that continues it, and the job exits as a shell reports the signal
+    (130, 143), without a traceback or a sentinel blaming a rank as killed or crashed."""
+    import signal
+
     from psgrad import checkpoint
 
     log = tmp_path / "run"
@@ -511,9 +521,10 @@ def test_ctrl_c_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resume(
             return False
 
     cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "psgrad", "train", *args]
-    proc = interrupt_when(cmd, checkpointed, tmp_path / "err")
-    assert proc.returncode == 130, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and proc.stderr.count("interrupted while") >= 1, proc.stderr[-3000:]
+    proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name), group=group)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert proc.stderr.count(f"{said} while") >= 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "[psgrad sentinel]" not in proc.stderr, proc.stderr[-3000:]
     newest = checkpoint.resolve(log)
     hint = f"the newest complete checkpoint is {newest}: continue the run with --resume {log}"
     assert proc.stderr.count(hint) == 1, proc.stderr[-3000:]

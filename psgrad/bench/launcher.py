@@ -45,6 +45,7 @@ from ..comm.layout import LAYOUTS, RankLayout
 from ..comm.protocol import TIME_KEYS
 from ..config import RunConfig
 from ..options import option_overrides
+from ..startup import stop_reason
 from .baselines import BASELINES
 from .netshape import mpiexec_banner
 
@@ -327,8 +328,9 @@ def orchestrate(
                 started = time.perf_counter()
                 try:
                     _run_job(cmd, env, timeout)
-                except KeyboardInterrupt:
-                    print(f"[bench] interrupted in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
+                except KeyboardInterrupt as err:
+                    reason, _ = stop_reason(err)
+                    print(f"[bench] {reason} in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
                     raise
                 if not out.exists():
                     raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
