@@ -410,7 +410,11 @@ def test_plan_buckets_vectors_first_and_uncompressed():
     assert plan_layers([("w", (3, 3))], "layer", 1, bucket_vectors=True)[0].name == "w"  # no vectors, no bucket
 
 
-def test_checkpoint_from_another_layer_plan_is_refused_clearly():
+SMALL_NAMED = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
+
+
+def _server(layers, rank: int = 0, servers: int = 1):
+    """A sync server of ``layers`` (of SMALL_NAMED's parameters) on ``rank``, without any transport."""
     from types import SimpleNamespace
 
     from psgrad.codecs import make_codec
@@ -419,26 +423,45 @@ def test_checkpoint_from_another_layer_plan_is_refused_clearly():
     from psgrad.feedback import NoFeedback
     from psgrad.optim import LayerOptimizer
 
-    named = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
-    bucketed = plan_layers(named, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
-    plain = plan_layers(named, "layer", 1, bucket_vectors=False)  # layer 0 = the 12 weights
     model = torch.nn.Module()
-    for name, shape in named:
+    for name, shape in SMALL_NAMED:
         model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+    ctx = SimpleNamespace(
+        cfg=RunConfig(), transport=SimpleNamespace(rank=rank), rank=rank, layers=layers, model=model,
+        layout=RankLayout(2 + servers, servers), start=0, buffers_size=0, steps_per_epoch=10,
+        make_feedback=lambda: NoFeedback(make_codec("none")), make_optimizer=lambda: LayerOptimizer(),
+    )  # fmt: skip
+    return SyncServer(ctx)
 
-    def server(layers):
-        transport = SimpleNamespace(rank=0)
-        ctx = SimpleNamespace(
-            cfg=RunConfig(), transport=transport, rank=0, layers=layers, model=model, layout=RankLayout(3, 1),
-            start=0, buffers_size=0, steps_per_epoch=10, make_feedback=lambda: NoFeedback(make_codec("none")),
-            make_optimizer=lambda: LayerOptimizer(),
-        )  # fmt: skip
-        return SyncServer(ctx)
 
-    state = server(bucketed).state_dict()
-    server(bucketed).load_state_dict(state)  # the same plan loads
+def test_checkpoint_from_another_layer_plan_is_refused_clearly():
+    bucketed = plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
+    plain = plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=False)  # layer 0 = the 12 weights
+    state = _server(bucketed).state_dict()
+    _server(bucketed).load_state_dict(state)  # the same plan loads
     with pytest.raises(ValueError, match="does not fit this run's layer plan"):
-        server(plain).load_state_dict(state)
+        _server(plain).load_state_dict(state)
+
+
+def test_a_servers_report_of_what_it_does_follows_its_steps():
+    """The failure and hang reports read ``doing``: a serving server's must name the step it waits
+    for now, not the one it waited for when it was last driven through ``serve_until`` (a
+    colocated rank's server part is polled from hooks only, and reported step 9 at step 14)."""
+    server = _server(plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=False))
+    assert server.doing == "starting"
+    server.doing = None  # serving
+    server.completed_step = 8
+    assert server.doing == "waiting for messages (step 9)"
+    server.completed_step = 13
+    assert server.doing == "waiting for messages (step 14)"
+    server.doing = "evaluating after step 13"
+    assert server.doing == "evaluating after step 13"
+    layers = plan_layers(SMALL_NAMED, "layer", 4, bucket_vectors=False)  # 3 layers over 4 servers
+    idle = [server for server in (_server(layers, rank, servers=4) for rank in range(4)) if not server.owned]
+    assert len(idle) == 1
+    idle = idle[0]
+    idle.doing = None
+    assert idle.doing == "no layers to serve"
 
 
 @pytest.mark.parametrize("topology,ranks", [("ps", 3), ("alltoall", 2)])

@@ -109,7 +109,7 @@ class ServerBase:
         self.bounds = {layer.index: upload_bound(feedback, layer) for layer in self.owned}
         self.buffers_size = ctx.buffers_size
         self.completed_step = ctx.start - 1
-        self.doing = "starting"
+        self._phase: str | None = "starting"
         self.times = {"decode": 0.0, "apply": 0.0, "idle": 0.0}
         # what a worker on this rank gets back (colocated): layer index -> the reply message
         self.local_replies: dict[int, Message] = {}
@@ -122,6 +122,21 @@ class ServerBase:
         # held by whoever drives this server: the rank's own worker, or the helper thread of
         # --serve-thread (a no-op lock where nothing else runs)
         self.lock: AbstractContextManager = nullcontext()
+
+    @property
+    def doing(self) -> str:
+        """What this server does, for failure and hang reports: a phase set by its driver, or else
+        (serving) which step's messages it waits for, read live: a colocated rank's server part is
+        polled from its worker's hooks, never through ``serve_until``, and a step written down once
+        went stale (`serving: waiting for messages (step 9)` from a rank at step 14)."""
+        if self._phase is not None:
+            return self._phase
+        return f"waiting for messages (step {self.completed_step + 1})" if self.owned else "no layers to serve"
+
+    @doing.setter
+    def doing(self, phase: str | None) -> None:
+        """Set a phase; None: serving."""
+        self._phase = phase
 
     def shadow_keys(self) -> list[int]:
         return [-1]
@@ -145,6 +160,7 @@ class ServerBase:
                 self._post(("values", server, numel), nbytes, server, TAG_VALUES)
         for layer in self.owned:
             self._reply(layer, self.workers, exact=True)
+        self.doing = None
 
     def send_values(self, step: int) -> None:
         """Send the values of this server's layers after ``step`` to the metrics rank (for evaluation)."""
@@ -207,7 +223,7 @@ class ServerBase:
         """Serve until ``finished()`` is true, waiting with ``patience``'s back-off (by default the
         server's: rare wake-ups, see transport.SERVER_PATIENCE)."""
         while not finished():
-            self.doing = f"waiting for messages (step {self.completed_step + 1})"
+            self.doing = None
             handles = list(self.pending.values())
             idle_before = self.transport.idle_seconds
             done = self.transport.wait_some(handles, patience=patience)
