@@ -33,10 +33,10 @@ class _Commands(click.Group):
     exits with status 2 — not once per rank, interleaved."""
 
     def invoke(self, ctx: click.Context):
-        from .startup import AgreementError, launched_ranks, sigterm_raises, stop_reason
+        from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_raise
 
         try:
-            with sigterm_raises():
+            with stop_signals_raise():
                 return super().invoke(ctx)
         except KeyboardInterrupt as err:  # the command said where it stopped; click would add "Aborted!", status 1
             ctx.exit(stop_reason(err)[1])

@@ -58,10 +58,14 @@ TENSORBOARD_MISSING = (
 
 def say(message: str) -> None:
     """Print a line on standard error above this process's progress bar, if one is showing
-    (``tqdm.write``), rather than after the bar's text on its line."""
+    (``tqdm.write``), rather than after the bar's text on its line. A standard error that is gone
+    (the terminal hung up) is not a new error on the way down."""
     from tqdm import tqdm
 
-    tqdm.write(message, file=sys.stderr)
+    try:
+        tqdm.write(message, file=sys.stderr)
+    except OSError:
+        pass
 
 
 def tensorboard_problem() -> str | None:

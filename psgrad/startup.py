@@ -32,8 +32,10 @@ PER_RANK = frozenset({"device", "threads", "progress"})
 
 INTERRUPTED = 130
 """Exit status after Ctrl-C (SIGINT), as a shell reports a command it interrupted (128 + 2)."""
-TERMINATED = 143
-"""Exit status after SIGTERM (128 + 15)."""
+STOP_SIGNALS = (signal.SIGTERM,)
+"""Signals that stop psgrad as Ctrl-C does while ``stop_signals_raise`` is on: SIGTERM (a
+scheduler's cancel or time limit, ``kill``, ``timeout``). Not SIGHUP: loading MPICH's UCX library
+(libucs) takes SIGHUP over for its debug handler, so a handler set here would be gone."""
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
 
@@ -43,42 +45,49 @@ class AgreementError(ValueError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's cancel or time limit, ``kill``, ``timeout``) while ``sigterm_raises``
-    is on. A KeyboardInterrupt, so that psgrad stops on it as on Ctrl-C, where every wait and every
-    thread hand-off already expects one."""
+    """One of ``STOP_SIGNALS`` arrived while ``stop_signals_raise`` is on. A KeyboardInterrupt, so
+    that psgrad stops on it as on Ctrl-C, where every wait and every thread hand-off already
+    expects one."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
-    """How a stop by signal is said, and the exit status a shell reports for it."""
-    return ("terminated (SIGTERM)", TERMINATED) if isinstance(err, Terminated) else ("interrupted", INTERRUPTED)
+    """How a stop by signal is said, and the exit status a shell reports for it (128 + the signal)."""
+    if isinstance(err, Terminated):
+        return f"terminated ({signal.Signals(err.signum).name})", 128 + err.signum
+    return "interrupted", INTERRUPTED
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Within, SIGTERM raises ``Terminated`` in the main thread instead of ending the process at
-    once: a rank then says what it was doing and which checkpoint resumes the run, where it would
-    otherwise die without a word (and its sentinel blame it as killed or crashed), and ``psgrad
-    bench`` ends its running job instead of leaving it behind. Elsewhere than in the main thread
-    (which alone may set handlers) it does nothing."""
+def stop_signals_raise() -> Iterator[None]:
+    """Within, each of ``STOP_SIGNALS`` raises ``Terminated`` in the main thread instead of ending
+    the process at once: a rank then says what it was doing and which checkpoint resumes the run,
+    where it would otherwise die without a word (and its sentinel blame it as killed or crashed),
+    and ``psgrad bench`` ends its running job instead of leaving it behind. Elsewhere than in the
+    main thread (which alone may set handlers) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def raise_terminated(signum: int, frame: object) -> None:
-        raise Terminated()
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = {sig: signal.signal(sig, raise_terminated) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def ignore_further_stops() -> None:
     """On the way down after a stop by signal: a second Ctrl-C or SIGTERM must not cut the rest
     short (the rank's abort of the job). Main thread only, as every handler."""
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *STOP_SIGNALS):
             signal.signal(sig, signal.SIG_IGN)
 
 

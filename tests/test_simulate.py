@@ -614,12 +614,13 @@ def test_simulate_starts_no_mpi(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "signal_name,said,status", [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated (SIGTERM)", 143)]
+    "signal_name,said,status",
+    [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated (SIGTERM)", 143)],
 )
 def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tmp_path, signal_name, said, status):
     """Ctrl-C or SIGTERM during ``psgrad simulate``: one line, the newest complete checkpoint and
-    the --resume that continues it, status 130 or 143; no rank's traceback (a worker whose stacked
-    pass the interrupt cut short only stops), no click "Aborted!"."""
+    the --resume that continues it, status 128 + the signal; no rank's traceback (a worker whose
+    stacked pass the interrupt cut short only stops), no click "Aborted!"."""
     import signal
 
     from psgrad import checkpoint
