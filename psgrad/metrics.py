@@ -62,8 +62,8 @@ def say(message: str) -> None:
     (the terminal hung up) is not a new error on the way down."""
     from tqdm import tqdm
 
-    try:
-        tqdm.write(message, file=sys.stderr)
+    try:  # the line and its end in one write: ranks' lines through mpiexec otherwise run together
+        tqdm.write(f"{message}\n", file=sys.stderr, end="")
     except OSError:
         pass
 
