@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import functools
 import queue
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -47,6 +46,7 @@ from torch import nn
 from . import memory
 from .comm.local import Meeting, OtherRankFailed
 from .comm.transport import Idle
+from .metrics import say
 from .models.layout import in_layout, layout_of
 from .models.step import StepStart
 
@@ -407,7 +407,7 @@ class StackedWorkers:
                     param.grad = None
             if self.stacked is None or not all(stacked.checked for stacked in self.stacked):
                 self.refused = str(err)
-                print(f"[psgrad] note: each worker computes on its own: {err}", file=sys.stderr)
+                say(f"[psgrad] note: each worker computes on its own: {err}")
             return None
 
     @staticmethod

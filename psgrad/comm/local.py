@@ -29,7 +29,6 @@ it, each rank in a thread of its own. The ranks share one ``LocalWorld``:
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..metrics import say
 from .transport import Handle, Idle, Patience, PeerFailure, StackedCompute, Transport
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
@@ -147,7 +147,7 @@ class LocalWorld:
             if self.memory_short is not None:
                 return
             self.memory_short = reason
-        print(f"[psgrad] stopping: {reason}", file=sys.stderr, flush=True)
+        say(f"[psgrad] stopping: {reason}")
         self.halt(f"out of memory: {reason}")
 
     def leave(self, rank: int) -> None:

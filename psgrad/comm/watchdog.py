@@ -21,7 +21,6 @@ A helper thread on every rank, on its own duplicate communicator:
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import msgpack
 
+from ..metrics import say
 from .sentinel import Sentinel
 from .transport import WAITING, Handle, Transport
 
@@ -139,7 +139,7 @@ class Watchdog:
                 self._receive(now)
                 self._check(time.monotonic())
         except Exception as err:  # noqa: BLE001  the watchdog must never take a healthy job down silently
-            print(f"[psgrad rank {self.rank}] watchdog stopped: {type(err).__name__}: {err}", file=sys.stderr)
+            say(f"[psgrad rank {self.rank}] watchdog stopped: {type(err).__name__}: {err}")
 
     def _heartbeat(self, bye: bool = False) -> None:
         mine = self.report()
@@ -196,11 +196,9 @@ class Watchdog:
             lines.append(
                 f"  rank {peer} ({self.names(peer)}): {seen.doing} (heard {now - seen.at:.0f} s ago, waiting {seen.waiting:.0f} s then)"
             )
-        print(
+        say(
             f"[psgrad watchdog] rank {self.rank}: {verdict} Ending the job (--timeout {timeout:.0f}).\n"
-            + "\n".join(lines),
-            file=sys.stderr,
-            flush=True,
+            + "\n".join(lines)
         )
         self.claim(verdict)
         self.world.abort(1)
