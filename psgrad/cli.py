@@ -65,7 +65,17 @@ class _Commands(click.Group):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+EXIT_STATUS = (
+    "Exit status: 0 when the command did its work; 1 when it failed (the failing rank printed its error); 2 for a "
+    "usage error, settings the ranks do not agree on or unreadable data (said once, before the first step); 130 "
+    "after Ctrl-C and 143 after SIGTERM (each rank said what it was doing, rank 0 which checkpoint resumes the run). "
+    "A rank killed outright (SIGKILL, a crash) ends mpiexec with a status of its own."
+)
+
+
+@click.group(
+    cls=_Commands, epilog=EXIT_STATUS, context_settings={"help_option_names": ["-h", "--help"], "show_default": True}
+)
 @click.version_option(package_name="psgrad")
 def main() -> None:
     """psgrad: data-parallel training through a parameter server whose every gradient is encoded."""

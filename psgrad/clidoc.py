@@ -27,6 +27,8 @@ def markdown() -> str:
         "",
         "Every option of every `psgrad` command, generated from the commands themselves "
         "(`python -m psgrad.clidoc > docs/cli.md`; `tests/test_docs.py` fails when this file is stale).",
+        "",
+        main.epilog or "",
     ]
     for name in [*ORDER, *sorted(set(main.commands) - set(ORDER))]:  # a new command is never left out
         cmd = main.commands[name]
