@@ -68,7 +68,13 @@ def test_shaped_network_removed_on_error():
 
 
 @needs_root
-def test_shaped_bench_removed_on_ctrl_c():
+@pytest.mark.parametrize(
+    "signal_name,group,said,status",
+    [("SIGINT", True, "interrupted", 130), ("SIGTERM", False, "terminated (SIGTERM)", 143)],
+)
+def test_shaped_bench_removed_on_ctrl_c_or_sigterm(signal_name, group, said, status):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the launcher alone: the
+    namespaces are gone, the running job was stopped and said so, and the status is the signal's."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -94,12 +100,16 @@ def test_shaped_bench_removed_on_ctrl_c():
             time.sleep(0.2)
         assert len(_ours()) == 4, "the shaped network never came up"
         time.sleep(3)  # let the MPI job start inside it
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        proc.wait(timeout=60)
+        if group:
+            os.killpg(proc.pid, getattr(signal, signal_name))  # what Ctrl-C in a terminal does
+        else:
+            proc.send_signal(getattr(signal, signal_name))
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    assert proc.returncode == status, err[-3000:]
+    assert f"[bench] {said} in run 1/1: its job was stopped, no table" in err, err[-3000:]
     assert _ours() == []
 
 

@@ -27,6 +27,8 @@ import subprocess
 import sys
 from types import FrameType
 
+from ..startup import Terminated
+
 IFACE = "psg0"
 SUBNET = "10.213.0"
 _PREFIX_RE = re.compile(r"^psgrad(\d+)-(?:sw|r\d+)$")
@@ -188,7 +190,7 @@ class ShapedNetwork:
         self.created.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
+        raise Terminated(signum)  # as Ctrl-C: the launcher ends the job and says so, __exit__ tidies up
 
     def __enter__(self) -> ShapedNetwork:
         for sig in (signal.SIGTERM, signal.SIGHUP):
