@@ -108,14 +108,18 @@ def resolve(resume: str | Path) -> Path:
 
 
 def resume_hint(log_dir: str | Path | None) -> str | None:
-    """What to run to continue an interrupted run in ``log_dir``: its newest complete checkpoint
-    and the ``--resume`` that takes it; None when it has none."""
-    if not log_dir:
+    """What to run after a run in ``log_dir`` was interrupted: continue from its newest complete
+    checkpoint with ``--resume``, or, without one, start again with ``--overwrite`` (the log dir
+    refuses a new run otherwise). None without a log dir."""
+    if not log_dir or not Path(log_dir).is_dir():
         return None
     try:
         newest = resolve(log_dir)
     except CheckpointError:
-        return None
+        return (
+            f"{log_dir} holds no complete checkpoint: to start the run again there, add --overwrite "
+            "(--checkpoint-every N writes one every N steps)"
+        )
     return f"the newest complete checkpoint is {newest}: continue the run with --resume {log_dir}"
 
 

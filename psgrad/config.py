@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from . import checkpoint
 from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES, wrn_depth_problem
 from .comm.layout import LAYOUTS, TOPOLOGIES, parse_grid
 
@@ -298,6 +299,13 @@ class RunConfig:
         there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
         if not there:
             return None
+        try:
+            checkpoint.resolve(self.log_dir)
+        except checkpoint.CheckpointError:  # nothing to resume: do not suggest it
+            return (
+                f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}) and no complete checkpoint to "
+                "resume from: replace it with --overwrite, or choose another directory"
+            )
         return (
             f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}): continue it with --resume "
             f"{self.log_dir}, replace it with --overwrite, or choose another directory"

@@ -36,6 +36,35 @@ def test_incomplete_checkpoint_is_refused_with_the_way_out(tmp_path):
         checkpoint.resolve(tmp_path)
 
 
+def test_the_hint_after_an_interrupt_names_the_way_on(tmp_path):
+    """After Ctrl-C or SIGTERM: resume from the newest complete checkpoint, or, with only an
+    incomplete one (or none), start again with --overwrite, which the log dir needs."""
+    log = tmp_path / "run"
+    assert checkpoint.resume_hint(None) is None and checkpoint.resume_hint(log) is None  # no log dir
+    log.mkdir()
+    _write(log, 8, complete=False)
+    assert checkpoint.resume_hint(log) == (
+        f"{log} holds no complete checkpoint: to start the run again there, add --overwrite "
+        "(--checkpoint-every N writes one every N steps)"
+    )
+    _write(log, 4)
+    assert checkpoint.resume_hint(log) == (
+        f"the newest complete checkpoint is {log / 'ckpt-step4'}: continue the run with --resume {log}"
+    )
+
+
+def test_a_log_dir_holding_a_run_suggests_resume_only_with_a_checkpoint(tmp_path):
+    from psgrad.config import RunConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    problem = RunConfig(log_dir=str(tmp_path)).log_dir_problem()
+    assert "no complete checkpoint to resume from: replace it with --overwrite" in problem, problem
+    assert "--resume" not in problem, problem
+    _write(tmp_path, 4)
+    problem = RunConfig(log_dir=str(tmp_path)).log_dir_problem()
+    assert f"continue it with --resume {tmp_path}, replace it with --overwrite" in problem, problem
+
+
 def test_rank_count_mismatch_names_the_right_count(tmp_path):
     directory = _write(tmp_path, 8, ranks=5)
     with pytest.raises(CheckpointError, match="written by 5 ranks; this job has 3 .*-n 5"):
