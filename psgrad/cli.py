@@ -5,8 +5,10 @@ errors are quick."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +29,33 @@ BENCH_IGNORES = {
 """Run options that mean nothing to ``psgrad bench`` (refused there rather than ignored)."""
 
 
+def _leave_the_job(err: KeyboardInterrupt) -> None:
+    """A rank of a multi-rank launch stopped by a signal outside ``train.run`` (which aborts the job
+    itself), while it starts or ends: end the job without leaving the other ranks waiting for it.
+
+    1. Say so, once.
+    2. MPI runs: abort the job.
+    3. Otherwise die by the signal itself. A normal exit would not do: a signal during mpi4py's
+       import can leave MPI started with its module unlisted, and the interpreter's teardown then
+       finalizes MPI, telling the process manager this rank is done while the others wait for it
+       in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
+       others waiting in MPI's start-up. Both hung the job. A rank killed by a signal is one the
+       process manager ends the job for."""
+    from .startup import Terminated, stop_reason
+
+    reason, status = stop_reason(err)
+    print(f"[psgrad] {reason} while starting or ending", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from .comm.transport import abort_if_running
+
+        abort_if_running(status)
+    signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(status)  # not reached: the signal's default action ends the process
+
+
 class _Commands(click.Group):
     """Under a multi-rank launch, a training command's usage error is printed once for the job
     (by the lowest rank that has it, after every rank agreed; psgrad/startup.py), and every rank
@@ -36,9 +65,14 @@ class _Commands(click.Group):
         from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_raise
 
         try:
-            with stop_signals_raise():
+            # SIGTERM as Ctrl-C for the whole command, but not in a rank of a multi-rank launch
+            # before MPI runs: a rank leaving then without dying by the signal hung the job (a
+            # training rank turns it on around train.run, _train)
+            with stop_signals_raise() if launched_ranks() < 2 else contextlib.nullcontext():
                 return super().invoke(ctx)
         except KeyboardInterrupt as err:  # the command said where it stopped; click would add "Aborted!", status 1
+            if launched_ranks() > 1:
+                _leave_the_job(err)
             ctx.exit(stop_reason(err)[1])
         except click.UsageError as err:
             if ctx.invoked_subcommand not in TRAINING_COMMANDS or launched_ranks() < 2:
@@ -211,6 +245,7 @@ def _train(role: str | None, options: dict) -> None:
     from .comm.layout import RankLayout, grid_places
     from .comm.sentinel import goodbyes_held, hold_goodbyes
     from .comm.transport import finalize, world_rank, world_size
+    from .startup import stop_signals_raise
     from .train import run
 
     cfg = run_settings(options)
@@ -237,7 +272,8 @@ def _train(role: str | None, options: dict) -> None:
                 f"'psgrad {role}' started on rank {world_rank()}, which is a {actual} rank with --servers {cfg.servers} (servers are ranks 0..{cfg.servers - 1})"
             )
     hold_goodbyes()  # this process ends with the job: a rank dying in MPI_Finalize is named too
-    run(cfg)
+    with stop_signals_raise():  # from here on, with MPI started: a SIGTERM is said and aborts the job
+        run(cfg)
     if goodbyes_held():  # a sentinel waits (a job of more than one rank): MPI_Finalize, then goodbye
         finalize()
 

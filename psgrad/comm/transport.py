@@ -400,6 +400,12 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+def abort_if_running(code: int) -> None:
+    """End every rank of the job with ``code`` if MPI runs (started and not finalized)."""
+    if _mpi_running():
+        MPI.COMM_WORLD.Abort(code)
+
+
 def finalize() -> None:
     """Finalize MPI (if it was started), then let this process's sentinels hear their goodbye
     (``sentinel.farewell``): a rank that dies before that, in MPI_Finalize, is named by its
