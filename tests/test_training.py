@@ -530,6 +530,44 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     assert proc.stderr.count(hint) == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("delay", [0.2, 0.5, 1.0])
+def test_a_signal_to_one_rank_while_it_starts_never_hangs_the_job(signal_name, delay):
+    """One rank signalled ``delay`` s after it appears, while it imports, starts MPI or agrees on the
+    settings: the job must end (the others must not wait for it for ever), whatever its status. A
+    rank that left through a normal exit there finalized MPI while the others waited for it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "400"]
+    RANKS = "m psgrad train --model mlp --steps 400"  # noqa: N806 -- the ranks' command line, for pgrep
+    job = subprocess.Popen(
+        [*cmd, "--lr", "0.01", "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        ranks: list[str] = []
+        while len(ranks) < 3 and time.monotonic() < deadline:
+            ranks = subprocess.run(["pgrep", "-f", RANKS], capture_output=True, text=True).stdout.split()
+            ranks = [pid for pid in ranks if int(pid) != job.pid]
+            time.sleep(0.02)
+        assert len(ranks) == 3, ranks
+        time.sleep(delay)
+        os.kill(int(max(ranks, key=int)), getattr(signal, signal_name))
+        _, err = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job hung after {signal_name} to one rank {delay} s into its start")
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", RANKS], check=False)
+    if signal_name == "SIGTERM":  # (a Ctrl-C in an import before psgrad's code runs is Python's traceback)
+        assert "Traceback" not in err, err[-3000:]
+
+
 def test_custom_model_without_test_data_is_refused():
     from psgrad.train import run
 
