@@ -76,11 +76,6 @@ def stop_signals_raise() -> Iterator[None]:
         raise Terminated(signum)
 
     previous = {sig: signal.signal(sig, raise_terminated) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
-        # system calls the signal interrupts restart (SA_RESTART) instead of failing with EINTR:
-        # MPICH's start-up read from its process manager, cut short so, never finished (the job
-        # hung); the handler's exception comes once control is back in Python
-        signal.siginterrupt(sig, False)
     try:
         yield
     finally:
