@@ -5,7 +5,6 @@ errors are quick."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -62,13 +61,13 @@ class _Commands(click.Group):
     exits with status 2 — not once per rank, interleaved."""
 
     def invoke(self, ctx: click.Context):
-        from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_raise
+        from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_end_the_rank, stop_signals_raise
 
         try:
             # SIGTERM as Ctrl-C for the whole command, but not in a rank of a multi-rank launch
             # before MPI runs: a rank leaving then without dying by the signal hung the job (a
             # training rank turns it on around train.run, _train)
-            with stop_signals_raise() if launched_ranks() < 2 else contextlib.nullcontext():
+            with stop_signals_raise() if launched_ranks() < 2 else stop_signals_end_the_rank():
                 return super().invoke(ctx)
         except KeyboardInterrupt as err:  # the command said where it stopped; click would add "Aborted!", status 1
             if launched_ranks() > 1:

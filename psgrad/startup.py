@@ -83,6 +83,33 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def stop_signals_end_the_rank() -> Iterator[None]:
+    """Within, each of ``STOP_SIGNALS`` ends this process by the signal's default action, as
+    without a handler, but first removes the MPI library's shared-memory segments it maps, which
+    only ``MPI_Finalize`` would have removed (comm/segments.py). For a rank of a multi-rank launch
+    while it starts or ends, outside ``stop_signals_raise``: a rank leaving there by a normal exit
+    hung the job, one killed by the signal is one the process manager ends the job for, but took
+    the segment with it into /dev/shm for good. Main thread only, as every handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end_by_signal(signum: int, frame: object) -> None:
+        from .comm import segments
+
+        segments.remove(segments.job_segments())
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = {sig: signal.signal(sig, end_by_signal) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def ignore_further_stops() -> None:
     """On the way down after a stop by signal: a second Ctrl-C or SIGTERM must not cut the rest
     short (the rank's abort of the job). Main thread only, as every handler."""

@@ -75,6 +75,7 @@ def interrupt_when(
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"{' '.join(cmd)} ended or hung before it was ready:\n{err_file.read_text()[-3000:]}")
             time.sleep(0.1)
+        segments = mpi_segments(descendants(proc.pid))
         if group:
             os.killpg(proc.pid, sig)
         else:
@@ -85,7 +86,40 @@ def interrupt_when(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert_removed(segments)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err_file.read_text())
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (hydra's proxy starts a session of its own)."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children: dict[int, list[int]] = {}
+    for child, parent in zip(table[::2], table[1::2], strict=True):
+        children.setdefault(int(parent), []).append(int(child))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def mpi_segments(pids) -> set[str]:
+    """The MPI library's shared-memory files that ``pids`` map (psgrad/comm/segments.py)."""
+    from psgrad.comm.segments import job_segments
+
+    return {path for pid in pids for path in job_segments(f"/proc/{pid}/maps")}
+
+
+def assert_removed(segments: set[str], seconds: float = 5.0) -> None:
+    """A job that ended without MPI_Finalize must not leave its segments in /dev/shm (RAM, until
+    the machine reboots): its ranks, or their sentinels, remove them."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(os.path.exists(path) for path in segments) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = sorted(path for path in segments if os.path.exists(path))
+    assert not left, f"the job left its MPI shared memory behind: {left}"
 
 
 def run_mpi(args: list[str], n: int = 3, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

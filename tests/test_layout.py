@@ -66,6 +66,7 @@ FLOORS = [
             "psgrad.choices",
             "psgrad.comm.layout",
             "psgrad.comm.deferred_mpi",
+            "psgrad.comm.segments",
         ],
     ),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),

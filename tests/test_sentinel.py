@@ -82,3 +82,47 @@ def test_a_sentinel_lets_go_of_the_jobs_output_before_it_tidies(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def _segments(tmp_path, names=("mpich_shm_1_0", "mpich_shm_2_0")) -> list:
+    paths = [tmp_path / name for name in names]
+    for path in paths:
+        path.write_bytes(b"\0" * 64)
+    return paths
+
+
+def _gone(paths, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not any(p.exists() for p in paths)
+
+
+@pytest.mark.parametrize("end", ["dies", "aborts", "dies after done"])
+def test_a_rank_that_ends_without_goodbye_has_its_mpi_segments_removed(tmp_path, capfd, monkeypatch, end):
+    """MPI_Finalize removes MPICH's /dev/shm segment; a rank that dies or aborts never gets there,
+    so its sentinel removes the segments the rank named as it started."""
+    monkeypatch.setattr(sentinel, "_holding", end == "dies after done")
+    monkeypatch.setattr(sentinel, "_held", [])
+    paths = _segments(tmp_path)
+    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker", [str(p) for p in paths])
+    if end == "aborts":
+        watcher.claim("a usage error")
+    else:
+        if end == "dies after done":
+            watcher.bye()
+        watcher.proc.stdin.close()
+    try:
+        assert _gone(paths), [p for p in paths if p.exists()]
+    finally:
+        watcher.proc.kill()
+        watcher.proc.wait()
+
+
+def test_a_rank_that_says_goodbye_keeps_its_segments_for_mpi_finalize(tmp_path, monkeypatch):
+    monkeypatch.setattr(sentinel, "_holding", False)
+    paths = _segments(tmp_path)
+    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker", [str(p) for p in paths])
+    watcher.bye()
+    assert watcher.proc.wait(timeout=10) == 0
+    assert all(p.exists() for p in paths)

@@ -9,7 +9,16 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import interrupt_when, metrics_rows, mpiexec, run_mpi, run_script, train_runs
+from conftest import (
+    assert_removed,
+    interrupt_when,
+    metrics_rows,
+    mpi_segments,
+    mpiexec,
+    run_mpi,
+    run_script,
+    train_runs,
+)
 
 from psgrad.config import RunConfig
 from psgrad.data import DataError, ShardLoader, augment, load_cifar, load_dataset
@@ -555,7 +564,11 @@ def test_a_signal_to_one_rank_while_it_starts_never_hangs_the_job(signal_name, d
             ranks = [pid for pid in ranks if int(pid) != job.pid]
             time.sleep(0.02)
         assert len(ranks) == 3, ranks
-        time.sleep(delay)
+        segments: set[str] = set()
+        signal_at = time.monotonic() + delay
+        while time.monotonic() < signal_at:  # the job's MPI segment, once its ranks have started MPI
+            segments |= mpi_segments(ranks)
+            time.sleep(0.02)
         os.kill(int(max(ranks, key=int)), getattr(signal, signal_name))
         _, err = job.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -566,6 +579,7 @@ def test_a_signal_to_one_rank_while_it_starts_never_hangs_the_job(signal_name, d
         subprocess.run(["pkill", "-KILL", "-f", RANKS], check=False)
     if signal_name == "SIGTERM":  # (a Ctrl-C in an import before psgrad's code runs is Python's traceback)
         assert "Traceback" not in err, err[-3000:]
+    assert_removed(segments)
 
 
 def test_custom_model_without_test_data_is_refused():

@@ -13,6 +13,9 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
    claim 10 s later, once the other sentinels have seen it.
 4. A rank that aborts the job deliberately (psgrad's own error or watchdog verdict) claims the
    file itself before aborting, so the ranks the abort takes down stay silent too.
+   Either way, a rank that ends without ``bye`` cannot finalize MPI: the sentinel removes the MPI
+   library's shared-memory segments the rank named when it started (``shm PATH`` lines,
+   comm/segments.py), which MPI_Finalize would have removed.
 5. In a process that ends with its job (``psgrad train``, a ``psgrad bench`` job:
    ``hold_goodbyes()``), the goodbye at the end of training is only ``done``; ``bye`` follows
    from ``farewell()``, right after MPI_Finalize. A rank that dies in between (in the final
@@ -35,9 +38,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 _BYE = b"bye\n"
+_SEGMENT = b"shm "
 _ABORT = b"abort\n"
 _DONE = b"done\n"
 _TIDY_AFTER = 10.0  # seconds: the other ranks' sentinels check the claim within milliseconds
@@ -84,7 +89,8 @@ class Sentinel:
     """The rank's side: start the process, then ``bye()`` on a clean end or ``claim()`` before a
     deliberate abort."""
 
-    def __init__(self, claim_path: Path, rank: int, role: str) -> None:
+    def __init__(self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = ()) -> None:
+        """``segments``: the MPI library's shared-memory files of the job, removed if the rank dies."""
         self.claim_path = claim_path
         self.rank = rank
         self.proc = subprocess.Popen(
@@ -93,6 +99,8 @@ class Sentinel:
             start_new_session=True,  # the launcher's cleanup kills the rank's process group, not this
             close_fds=True,
         )
+        if segments:
+            self._tell(b"".join(_SEGMENT + os.fsencode(path) + b"\n" for path in segments), last=False)
 
     def _tell(self, word: bytes, last: bool = True) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -124,6 +132,12 @@ def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
     words = sys.stdin.buffer.read().splitlines(keepends=True)  # until the rank closes the pipe, or dies
     if words[-1:] == [_BYE]:
         return
+    for word in words:  # MPI_Finalize, which removes them, will not run (comm/segments.py)
+        if word.startswith(_SEGMENT):
+            try:
+                os.unlink(word[len(_SEGMENT) :].rstrip(b"\n"))
+            except OSError:
+                pass
     if _ABORT not in words:
         now = datetime.datetime.now().strftime("%H:%M:%S.%f")
         if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
+from . import segments
 from .sentinel import farewell
 
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
@@ -369,6 +370,7 @@ class Transport:
         # mpiexec forwards each rank's output through its proxies, and an abort can end them before
         # the last lines (the error that caused it) are through: give them a moment
         time.sleep(0.5)
+        segments.remove(segments.job_segments())  # MPI_Abort leaves them behind (comm/segments.py)
         self.comm.Abort(code)
         os._exit(code)  # Abort does not return; this is for MPI stubs that do
 
@@ -403,6 +405,7 @@ def world_rank() -> int:
 def abort_if_running(code: int) -> None:
     """End every rank of the job with ``code`` if MPI runs (started and not finalized)."""
     if _mpi_running():
+        segments.remove(segments.job_segments())
         MPI.COMM_WORLD.Abort(code)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import msgpack
 
 from ..metrics import say
+from . import segments
 from .sentinel import Sentinel
 from .transport import WAITING, Handle, Transport
 
@@ -88,7 +89,9 @@ class Watchdog:
             job = self.world.broadcast_bytes(f"{os.getpid()}-{time.time_ns()}".encode()).decode()
             directory = Path(self.claim_dir) if self.claim_dir else Path(tempfile.gettempdir())
             directory.mkdir(parents=True, exist_ok=True)
-            self.sentinel = Sentinel(directory / f".psgrad-{job}.died", self.rank, self.names(self.rank))
+            self.sentinel = Sentinel(
+                directory / f".psgrad-{job}.died", self.rank, self.names(self.rank), segments.job_segments()
+            )
             self.comm = self.world.dup()
             now = time.monotonic()
             peers = range(1, self.size) if self.rank == 0 else [0]
