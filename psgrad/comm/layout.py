@@ -33,7 +33,8 @@ class RankLayout:
             if self.world < self.servers + 1:
                 raise ValueError(
                     f"{self.world} MPI rank(s) cannot hold {self.servers} server(s) and a worker: "
-                    f"start at least {self.servers + 1} ranks (mpiexec -n {self.servers + 1} ...)"
+                    f"start at least {self.servers + 1} ranks (mpiexec -n {self.servers + 1} ...), or run every rank in "
+                    "this process with psgrad simulate --workers N"
                 )
 
     @property
