@@ -387,7 +387,10 @@ def test_shard_layers_balances_sizes():
 def test_roles_and_plan():
     roles = RankLayout(4, 2)
     assert roles.server_ranks == [0, 1] and roles.worker_ranks == [2, 3]
-    with pytest.raises(ValueError, match=r"start at least 3 ranks .* or run every rank in this process with psgrad simulate --workers N"):
+    with pytest.raises(
+        ValueError,
+        match=r"start at least 3 ranks .* or run every rank in this process with psgrad simulate --workers N",
+    ):
         RankLayout(2, 2)
     colocated = RankLayout(3, 1, "colocated")
     assert colocated.server_ranks == colocated.worker_ranks == [0, 1, 2]

@@ -107,14 +107,14 @@ def plan_layers(
 
 
 def copy_flat_into(params: dict[str, torch.Tensor], names: tuple[str, ...], flat: torch.Tensor, add: bool = False):
-    """Write (or with ``add``, add) consecutive slices of ``flat`` into the named parameters."""
-    offset = 0
+    """Write (or with ``add``, add) consecutive slices of ``flat`` into the named parameters, in one
+    foreach call (a model's 25 parameters one by one took twice as long, in torch's dispatch)."""
+    targets = [params[name] for name in names]
+    if not targets:  # a model without BatchNorm statistics
+        return
+    parts = [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in targets]), targets, strict=True)]
     with torch.no_grad():
-        for name in names:
-            param = params[name]
-            part = flat[offset : offset + param.numel()].view_as(param)
-            param.add_(part) if add else param.copy_(part)
-            offset += param.numel()
+        (torch._foreach_add_ if add else torch._foreach_copy_)(targets, parts)
 
 
 def buffers_vector(model: nn.Module) -> torch.Tensor:
