@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import metrics_rows, run_mpi, run_script
+from conftest import assert_removed, metrics_rows, run_mpi, run_script
 
 from psgrad.comm.layout import RankLayout
 from psgrad.comm.protocol import plan_layers, shard_layers
@@ -297,6 +297,14 @@ def test_failing_worker_ends_the_job_naming_it(how, topology, worker, rank):
     else:  # mpiexec kills the rest at once and names some PID; the sentinel names the dead rank
         assert named == [str(rank)], proc.stderr[-3000:]
     assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+    assert_removed(_segments_of(proc))
+
+
+def _segments_of(proc) -> set[str]:
+    """The MPI shared-memory files fault.py's ranks said they map (the job must not leave them)."""
+    found = set(re.findall(r"^segment (\S+)$", proc.stdout, re.MULTILINE))
+    assert found or "MPICH" not in proc.stdout, proc.stdout[-2000:]  # MPICH keeps one a node and job
+    return found
 
 
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
@@ -307,6 +315,7 @@ def test_a_rank_killed_on_its_way_out_is_named(topology, worker, rank):
     assert proc.returncode != 0
     named = re.findall(r"\[psgrad sentinel\] rank (\d+) \(.*\) died after its training ended", proc.stderr)
     assert named == [str(rank)], proc.stderr[-3000:]
+    assert_removed(_segments_of(proc))
 
 
 def test_a_slow_rank_on_its_way_out_is_not_killed_by_the_first_to_leave(tmp_path):
@@ -334,6 +343,7 @@ def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):
     # timeout): a verdict of 15 s would be the old grace of 10 s
     assert all(int(silent) < 15 for _, _, silent in verdicts), verdicts
     assert elapsed < 5 + 30, f"job took {elapsed:.0f}s to end"
+    assert_removed(_segments_of(proc))
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
@@ -341,6 +351,7 @@ def test_job_where_every_rank_waits_is_ended(topology):
     proc = run_script("fault.py", "hang", topology, timeout=120)
     assert proc.returncode != 0
     assert "every rank has been waiting for over 5 s" in proc.stderr, proc.stderr[-3000:]
+    assert_removed(_segments_of(proc))
 
 
 COLOCATED = {  # name: codec, and the options of both runs

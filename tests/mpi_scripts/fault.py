@@ -4,15 +4,17 @@ after training, on its way out, in a process that ends with its job as ``psgrad 
 
 Arguments: how (raise, kill, stop, hang, exit), topology (ps, colocated), the failing worker's index (default
 1: rank 2 with ps on 3 ranks, rank 1 with colocated), mode (sync, async). The watchdog's timeout
-is 5 s, so a stopped rank must be named within seconds."""
+is 5 s, so a stopped rank must be named within seconds. Each rank first prints the MPI library's
+shared-memory files it maps (``segment PATH``): a job that ends so must not leave them behind."""
 
 import os
 import signal
 import sys
 
+from psgrad.comm import segments
 from psgrad.comm.layout import RankLayout
 from psgrad.comm.sentinel import hold_goodbyes
-from psgrad.comm.transport import Transport, finalize
+from psgrad.comm.transport import Transport, finalize, mpi_library
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.train import run
@@ -42,6 +44,9 @@ class FaultyLoader:
         return self.inner.batch(step)
 
 
+print(f"library {mpi_library()}", flush=True)  # MPI started
+for path in segments.job_segments():
+    print(f"segment {path}", flush=True)
 if how == "exit":
     hold_goodbyes()
 cfg = RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5)
