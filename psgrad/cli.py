@@ -40,7 +40,7 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
        in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
        others waiting in MPI's start-up. Both hung the job. A rank killed by a signal is one the
        process manager ends the job for."""
-    from .startup import Terminated, stop_reason
+    from .startup import Terminated, die_by_signal, stop_reason
 
     reason, status = stop_reason(err)
     print(f"[psgrad] {reason} while starting or ending", file=sys.stderr, flush=True)
@@ -49,9 +49,7 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
         from .comm.transport import abort_if_running
 
         abort_if_running(status)
-    signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    die_by_signal(err.signum if isinstance(err, Terminated) else signal.SIGINT)
     os._exit(status)  # not reached: the signal's default action ends the process
 
 

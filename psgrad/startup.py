@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
@@ -62,52 +62,55 @@ def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
+def _stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """Within, ``handler`` takes each of ``STOP_SIGNALS``; the handlers before are back after.
+    Elsewhere than in the main thread (which alone may set handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def die_by_signal(signum: int) -> None:
+    """End this process by ``signum``'s default action (the process manager then ends the job),
+    after removing the MPI library's shared-memory segments it maps (comm/segments.py)."""
+    from .comm import segments
+
+    segments.remove(segments.job_segments())
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _end_by_signal(signum: int, frame: object) -> None:
+    die_by_signal(signum)
+
+
+def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
     """Within, each of ``STOP_SIGNALS`` raises ``Terminated`` in the main thread instead of ending
     the process at once: a rank then says what it was doing and which checkpoint resumes the run,
     where it would otherwise die without a word (and its sentinel blame it as killed or crashed),
     and ``psgrad bench`` ends its running job instead of leaving it behind. Elsewhere than in the
     main thread (which alone may set handlers) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_terminated(signum: int, frame: object) -> None:
-        raise Terminated(signum)
-
-    previous = {sig: signal.signal(sig, raise_terminated) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _stop_signals_to(_raise_terminated)
 
 
-@contextlib.contextmanager
-def stop_signals_end_the_rank() -> Iterator[None]:
+def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
     """Within, each of ``STOP_SIGNALS`` ends this process by the signal's default action, as
     without a handler, but first removes the MPI library's shared-memory segments it maps, which
     only ``MPI_Finalize`` would have removed (comm/segments.py). For a rank of a multi-rank launch
     while it starts or ends, outside ``stop_signals_raise``: a rank leaving there by a normal exit
     hung the job, one killed by the signal is one the process manager ends the job for, but took
     the segment with it into /dev/shm for good. Main thread only, as every handler."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def end_by_signal(signum: int, frame: object) -> None:
-        from .comm import segments
-
-        segments.remove(segments.job_segments())
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    previous = {sig: signal.signal(sig, end_by_signal) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _stop_signals_to(_end_by_signal)
 
 
 def ignore_further_stops() -> None:
