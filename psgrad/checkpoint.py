@@ -29,15 +29,43 @@ _STEP_DIR = re.compile(r"ckpt-step(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the text says which file and what to do."""
+    """A checkpoint (or the model) that cannot be written, or resumed from; the text says which
+    file and what to do."""
+
+
+def _written(path: Path, write) -> None:
+    """``write(file)`` into a temporary name beside ``path``, then rename it over ``path``.
+
+    1. Write through a Python file, so that the system's error comes back as an ``OSError`` (torch
+       writing to a path of its own turns a full disk into "basic_ios::clear: iostream error").
+    2. On any error, remove the partial file (on a full disk it holds the space that is short)
+       and raise ``CheckpointError`` naming the file and the system's reason."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"could not write {path}: {_system_reason(err)} (free space there, or start again with another --log-dir)"
+        ) from err
+
+
+def _system_reason(err: BaseException) -> str:
+    """The ``OSError`` behind ``err`` (torch raises its own error from inside the failed write), or ``err``."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return str(err)
 
 
 def _atomic_save(obj: object, path: Path) -> None:
     import torch
 
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    _written(path, lambda f: torch.save(obj, f))
 
 
 def step_dir(log_dir: str | Path, step: int) -> Path:
@@ -51,9 +79,7 @@ def save_rank_state(directory: Path, rank: int, state: dict) -> None:
 
 def mark_complete(directory: Path, step: int, ranks: int) -> None:
     """Called once every rank's file is written (the caller synchronizes the ranks first)."""
-    tmp = directory / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "ranks": ranks}))
-    os.replace(tmp, directory / MARKER)
+    _written(directory / MARKER, lambda f: f.write(json.dumps({"step": step, "ranks": ranks}).encode()))
 
 
 def save_model(log_dir: str | Path, model: torch.nn.Module) -> Path:

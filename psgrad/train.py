@@ -8,6 +8,7 @@ is aborted (no hangs).
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
 import traceback
@@ -95,19 +96,28 @@ def run(
                 say(f"[psgrad] {hint}")
             if transport.size > 1:
                 ignore_further_stops()
-                watchdog.claim(reason)
-                transport.abort(status)
+                try:
+                    watchdog.claim(reason)
+                finally:  # whatever happens on the way, the other ranks must not wait for this one
+                    transport.abort(status)
             raise
         say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
-        if not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
+        if not isinstance(err, checkpoint.CheckpointError) and not _disk_full(err):  # one line says what to do
             traceback.print_exc(file=sys.stderr)
         if transport.size > 1:
-            if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
-                watchdog.claim(f"{type(err).__name__}: {err}")
-            transport.abort(1)
+            try:
+                if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
+                    watchdog.claim(f"{type(err).__name__}: {err}")
+            finally:
+                transport.abort(1)
         raise
     watchdog.stop()
     return result
+
+
+def _disk_full(err: BaseException) -> bool:
+    """A full disk or an exceeded quota: the system's words say it all, no traceback needed."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:

@@ -1,5 +1,6 @@
 """Checkpoints: complete only with their marker, the newest complete one resumed, one-line errors."""
 
+import io
 import json
 
 import pytest
@@ -156,3 +157,46 @@ def test_a_resumed_log_keeps_the_steps_before_its_checkpoint_once(tmp_path):
     assert steps == list(range(12))
     with open(tmp_path / "eval.csv", newline="") as f:
         assert [(r["step"], r["test_acc"]) for r in csv.DictReader(f)] == [("3", "0.5"), ("11", "0.75")]
+
+
+def _full_disk_save(obj, f):
+    """torch.save as on a full disk: part of the file written, then the system's error, wrapped as
+    torch wraps it (its zip writer raises its own error while the OSError is handled)."""
+    f.write(b"partial")
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "save", _full_disk_save)
+    directory = checkpoint.step_dir(tmp_path, 5)
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.save_rank_state(directory, 0, {"step": 5})
+    message = str(caught.value)
+    assert f"could not write {directory / 'rank0.pt'}: No space left on device" in message, message
+    assert "another --log-dir" in message
+    assert sorted(p.name for p in directory.iterdir()) == [], "the partial file holds the space that is short"
+
+
+def test_the_complete_marker_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    directory = checkpoint.step_dir(tmp_path, 5)
+    directory.mkdir()
+    checkpoint.mark_complete(directory, 5, 3)
+    assert json.loads((directory / checkpoint.MARKER).read_text()) == {"step": 5, "ranks": 3}
+
+    class FullDisk(io.BytesIO):
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    def open_on_a_full_disk(path, mode):
+        open(path, mode).close()  # the file is created; its bytes find no room
+        return FullDisk()
+
+    monkeypatch.setattr(checkpoint, "open", open_on_a_full_disk, raising=False)
+    other = checkpoint.step_dir(tmp_path, 6)
+    other.mkdir()
+    with pytest.raises(CheckpointError, match="COMPLETE: No space left on device"):
+        checkpoint.mark_complete(other, 6, 3)
+    assert list(other.iterdir()) == []

@@ -1,5 +1,6 @@
 """The sentinel's words (comm/sentinel.py), without MPI: the rank's side is this test process."""
 
+import os
 import subprocess
 import sys
 import time
@@ -126,3 +127,17 @@ def test_a_rank_that_says_goodbye_keeps_its_segments_for_mpi_finalize(tmp_path, 
     watcher.bye()
     assert watcher.proc.wait(timeout=10) == 0
     assert all(p.exists() for p in paths)
+
+
+def test_a_claim_on_a_full_disk_still_claims_and_never_raises(tmp_path, monkeypatch):
+    """The claim is made before a rank aborts: an error there (its file on a full disk) once ended
+    the rank without the abort, and the other ranks waited for it until the watchdog ended the job."""
+
+    def full_disk(fd, mode):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sentinel.os, "fdopen", full_disk)
+    assert sentinel.claim(tmp_path / "claim", "rank 0: an error\n")
+    assert (tmp_path / "claim").exists(), "the empty file claims as well"
+    assert not sentinel.claim(tmp_path / "claim", "rank 1: another\n")

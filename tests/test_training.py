@@ -723,3 +723,44 @@ def test_any_torch_optimizer_per_layer_matches_the_built_in_one():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=kind)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         TorchLayerOptimizer(lambda p: object()).step("fc", torch.zeros(3), torch.zeros(3), 0.1)
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "metrics"])
+def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
+    """Rank 0's log dir is a small tmpfs: the server's checkpoint file does not fit (300 KB), or
+    metrics.csv soon fills it (8 KB). Rank 0 says what failed and why in one line (for the
+    checkpoint: which file, and its partial file is gone), and the job ends at once. It used to
+    print a traceback (torch's zip writer's for the checkpoint), then fail again claiming the abort
+    on the full disk, and leave the workers waiting until the watchdog ended the job 70 s later."""
+    import os
+    import subprocess
+    import time
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    size = "300k" if what == "checkpoint" else "8k"
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    log = small / "run"
+    if what == "checkpoint":
+        args = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--steps", "30", "--checkpoint-every", "5"]
+        said = (
+            "[psgrad rank 0] CheckpointError while waiting for messages (step 5): could not write "
+            f"{log}/ckpt-step5/rank0.pt: No space left on device"
+        )
+    else:
+        args, said = ["--model", "mlp", "--steps", "400", "--lr", "0.01"], "[Errno 28] No space left on device"
+    try:
+        start = time.monotonic()
+        proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args, "--log-dir", str(log), "--no-progress"])
+        elapsed = time.monotonic() - start
+        left = sorted(p.name for p in (log / "ckpt-step5").iterdir()) if what == "checkpoint" else []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert said in proc.stderr and "[psgrad rank 0] " in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 45, f"the job took {elapsed:.0f} s to end: the workers waited for the watchdog"
+    assert not {"rank0.pt", "rank0.pt.tmp"} & set(left), left  # (the workers' files may be cut short by the abort)

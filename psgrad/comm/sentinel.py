@@ -56,8 +56,11 @@ def claim(path: str | Path, text: str) -> bool:
         return False
     except OSError:
         return True  # cannot coordinate (read-only dir): better a line too many than none
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:  # a full disk: the empty file claims as well, and the rank must go on to abort
+        pass
     return True
 
 
