@@ -104,6 +104,8 @@ def run(
         say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
         if not isinstance(err, checkpoint.CheckpointError) and not _disk_full(err):  # one line says what to do
             traceback.print_exc(file=sys.stderr)
+        elif _disk_full(err) and transport.rank == 0 and (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:
+            say(f"[psgrad] {hint}")  # once there is room again
         if transport.size > 1:
             try:
                 if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
@@ -115,9 +117,14 @@ def run(
     return result
 
 
-def _disk_full(err: BaseException) -> bool:
-    """A full disk or an exceeded quota: the system's words say it all, no traceback needed."""
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+def _disk_full(err: BaseException | None) -> bool:
+    """A full disk or an exceeded quota, here or behind ``err`` (a ``CheckpointError`` raised from
+    torch's error raised from it): the system's words say it all, no traceback needed."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:

@@ -727,9 +727,10 @@ def test_any_torch_optimizer_per_layer_matches_the_built_in_one():
 
 @pytest.mark.parametrize("what", ["checkpoint", "metrics"])
 def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
-    """Rank 0's log dir is a small tmpfs: the server's checkpoint file does not fit (300 KB), or
-    metrics.csv soon fills it (8 KB). Rank 0 says what failed and why in one line (for the
-    checkpoint: which file, and its partial file is gone), and the job ends at once. It used to
+    """Rank 0's log dir is a small tmpfs: the server's second checkpoint file does not fit (1000 KB),
+    or metrics.csv soon fills it (8 KB). Rank 0 says what failed and why in one line (for the
+    checkpoint: which file, and its partial file is gone; then the complete one to resume from),
+    and the job ends at once. It used to
     print a traceback (torch's zip writer's for the checkpoint), then fail again claiming the abort
     on the full disk, and leave the workers waiting until the watchdog ended the job 70 s later."""
     import os
@@ -740,15 +741,16 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
         pytest.skip("mounting a small tmpfs needs root")
     small = tmp_path / "small"
     small.mkdir()
-    size = "300k" if what == "checkpoint" else "8k"
+    size = "1000k" if what == "checkpoint" else "8k"  # room for the first checkpoint (640 KB), not the second
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     log = small / "run"
     if what == "checkpoint":
         args = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--steps", "30", "--checkpoint-every", "5"]
         said = (
-            "[psgrad rank 0] CheckpointError while waiting for messages (step 5): could not write "
-            f"{log}/ckpt-step5/rank0.pt: No space left on device"
+            "[psgrad rank 0] CheckpointError while waiting for messages (step 10): could not write "
+            f"{log}/ckpt-step10/rank0.pt: No space left on device (free space there, or start again with another "
+            f"--log-dir)\n[psgrad] the newest complete checkpoint is {log}/ckpt-step5: continue the run with --resume {log}"
         )
     else:
         args, said = ["--model", "mlp", "--steps", "400", "--lr", "0.01"], "[Errno 28] No space left on device"
@@ -756,7 +758,7 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
         start = time.monotonic()
         proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args, "--log-dir", str(log), "--no-progress"])
         elapsed = time.monotonic() - start
-        left = sorted(p.name for p in (log / "ckpt-step5").iterdir()) if what == "checkpoint" else []
+        left = sorted(p.name for p in (log / "ckpt-step10").iterdir()) if what == "checkpoint" else []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
