@@ -18,8 +18,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:  # torch is imported where files are written or read: the command line finds runs without it
     import torch
@@ -33,7 +34,7 @@ class CheckpointError(RuntimeError):
     file and what to do."""
 
 
-def _written(path: Path, write) -> None:
+def _written(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(file)`` into a temporary name beside ``path``, then rename it over ``path``.
 
     1. Write through a Python file, so that the system's error comes back as an ``OSError`` (torch
@@ -47,19 +48,20 @@ def _written(path: Path, write) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:
         tmp.unlink(missing_ok=True)
+        reason = system.strerror if (system := system_error(err)) is not None else str(err)
         raise CheckpointError(
-            f"could not write {path}: {_system_reason(err)} (free space there, or start again with another --log-dir)"
+            f"could not write {path}: {reason} (free space there, or start again with another --log-dir)"
         ) from err
 
 
-def _system_reason(err: BaseException) -> str:
-    """The ``OSError`` behind ``err`` (torch raises its own error from inside the failed write), or ``err``."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        seen = seen.__cause__ or seen.__context__
-    return str(err)
+def system_error(err: BaseException | None) -> OSError | None:
+    """The system's error behind ``err``, itself included: torch raises its own error while the
+    ``OSError`` of a failed write is handled, and ``CheckpointError`` is raised from that."""
+    while err is not None:
+        if isinstance(err, OSError) and err.strerror:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _atomic_save(obj: object, path: Path) -> None:

@@ -117,14 +117,11 @@ def run(
     return result
 
 
-def _disk_full(err: BaseException | None) -> bool:
-    """A full disk or an exceeded quota, here or behind ``err`` (a ``CheckpointError`` raised from
-    torch's error raised from it): the system's words say it all, no traceback needed."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+def _disk_full(err: BaseException) -> bool:
+    """A full disk or an exceeded quota, here or behind ``err`` (``checkpoint.system_error``): the
+    system's words say it all, no traceback needed."""
+    system = checkpoint.system_error(err)
+    return system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
