@@ -92,29 +92,40 @@ def run(
         if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
             reason, status = stop_reason(err)
             say(f"[psgrad rank {transport.rank}] {reason} while {report().doing}")
-            if transport.rank == 0 and (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:
-                say(f"[psgrad] {hint}")
+            _say_resume_hint(transport.rank, cfg.log_dir)
             if transport.size > 1:
                 ignore_further_stops()
-                try:
-                    watchdog.claim(reason)
-                finally:  # whatever happens on the way, the other ranks must not wait for this one
-                    transport.abort(status)
+            _end_job(transport, watchdog, reason, status)
             raise
         say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
-        if not isinstance(err, checkpoint.CheckpointError) and not _disk_full(err):  # one line says what to do
+        if _disk_full(err):  # the system's words say it all; what to resume from once there is room
+            _say_resume_hint(transport.rank, cfg.log_dir)
+        elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
             traceback.print_exc(file=sys.stderr)
-        elif _disk_full(err) and transport.rank == 0 and (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:
-            say(f"[psgrad] {hint}")  # once there is room again
-        if transport.size > 1:
-            try:
-                if not isinstance(err, PeerFailure):  # else the dead rank's sentinel names it
-                    watchdog.claim(f"{type(err).__name__}: {err}")
-            finally:
-                transport.abort(1)
+        # a dead peer's sentinel names it, not this rank
+        _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
         raise
     watchdog.stop()
     return result
+
+
+def _say_resume_hint(rank: int, log_dir: str | None) -> None:
+    """Rank 0 names the checkpoint that continues the run (``checkpoint.resume_hint``)."""
+    if rank == 0 and (hint := checkpoint.resume_hint(log_dir)) is not None:
+        say(f"[psgrad] {hint}")
+
+
+def _end_job(transport: Transport, watchdog: Watchdog, claim: str | None, status: int) -> None:
+    """With other ranks: claim the abort (unless ``claim`` is None), then abort the job with
+    ``status`` whatever the claim does (a claim that failed on a full disk once skipped the abort,
+    and the other ranks waited for the watchdog)."""
+    if transport.size < 2:
+        return
+    try:
+        if claim is not None:
+            watchdog.claim(claim)
+    finally:
+        transport.abort(status)
 
 
 def _disk_full(err: BaseException) -> bool:
