@@ -176,9 +176,7 @@ class MetricsLog:
     def step(self, row: dict) -> None:
         row["epoch"] = (row["step"] + 1) / max(1, self.steps_per_epoch)  # epochs done after the step
         self.rows.append(row)
-        if "metrics" in self._writers:
-            self._writers["metrics"].writerow(row)
-            self._files["metrics"].flush()
+        self._write("metrics", row)
         if self.tb:
             for key in ("loss", "it_per_s", "bytes_up", "bytes_down", "lr"):
                 if key in row:
@@ -191,6 +189,16 @@ class MetricsLog:
             )
             self.bar.update(1)
 
+    def _write(self, name: str, row: dict) -> None:
+        """Append ``row`` to ``name``.csv, if logging; a failed write (a full disk) names the file."""
+        if name not in self._writers:
+            return
+        try:
+            self._writers[name].writerow(row)
+            self._files[name].flush()
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, self._files[name].name) from err
+
     def _recent_rate(self, row: dict) -> float:
         """Steps per second over the last ``RATE_WINDOW`` rows: one step's own rate swings when
         the workers' records reach the metrics rank in bursts (many simulated workers, async)."""
@@ -202,9 +210,7 @@ class MetricsLog:
 
     def evaluation(self, row: dict) -> None:
         self.evals.append(row)
-        if "eval" in self._writers:
-            self._writers["eval"].writerow(row)
-            self._files["eval"].flush()
+        self._write("eval", row)
         if self.tb:
             self.tb.add_scalar("test/loss", row["test_loss"], row["step"])
             self.tb.add_scalar("test/acc", row["test_acc"], row["step"])

@@ -732,8 +732,8 @@ def test_any_torch_optimizer_per_layer_matches_the_built_in_one():
 @pytest.mark.parametrize("what", ["checkpoint", "metrics"])
 def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
     """Rank 0's log dir is a small tmpfs: the server's second checkpoint file does not fit (1000 KB),
-    or metrics.csv soon fills it (8 KB). Rank 0 says what failed and why in one line (for the
-    checkpoint: which file, and its partial file is gone; then the complete one to resume from),
+    or metrics.csv soon fills it (8 KB). Rank 0 says what failed, where and why in one line (for
+    the checkpoint: its partial file is gone; then the complete one to resume from),
     and the job ends at once. It used to
     print a traceback (torch's zip writer's for the checkpoint), then fail again claiming the abort
     on the full disk, and leave the workers waiting until the watchdog ended the job 70 s later."""
@@ -757,7 +757,8 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
             f"--log-dir)\n[psgrad] the newest complete checkpoint is {log}/ckpt-step5: continue the run with --resume {log}"
         )
     else:
-        args, said = ["--model", "mlp", "--steps", "400", "--lr", "0.01"], "[Errno 28] No space left on device"
+        args = ["--model", "mlp", "--steps", "400", "--lr", "0.01"]
+        said = f"[Errno 28] No space left on device: '{log}/metrics.csv'"
     try:
         start = time.monotonic()
         proc = run_mpi([sys.executable, "-m", "psgrad", "train", *args, "--log-dir", str(log), "--no-progress"])
