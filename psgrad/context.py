@@ -35,7 +35,7 @@ from .comm.transport import Transport
 from .config import RunConfig
 from .data import DataError, ImageSet, ShardLoader, eval_batches, load_dataset
 from .feedback import NoFeedback, make_feedback
-from .metrics import MetricsLog
+from .metrics import MetricsLog, say
 from .models import build_model
 from .models.layout import in_layout, memory_format
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
@@ -219,8 +219,7 @@ class RunContext:
         if self.rank != 0:
             return
         layout, cfg = self.layout, self.cfg
-        roles = ", ".join(f"{r}={layout.role_name(r)}:{pid}" for r, pid in enumerate(pids))
-        print(f"[psgrad] rank=role:pid {roles}", file=sys.stderr)
+        print(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}", file=sys.stderr)
         servers = len(layout.server_ranks)
         model = cfg.model if named_model else type(self.model).__name__
         params = sum(p.numel() for p in self.model.parameters())
@@ -366,7 +365,7 @@ class RunContext:
         servers' final values, and that worker's BatchNorm statistics."""
         if self.cfg.log_dir and self.rank == self.layout.worker_ranks[0]:
             path = checkpoint.save_model(self.cfg.log_dir, self.model)
-            print(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))", file=sys.stderr)
+            say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
 
     def _load_resume(self) -> dict | None:
         cfg = self.cfg
@@ -380,6 +379,25 @@ class RunContext:
                 f"--resume {directory}: the ranks' checkpoint files are from different steps"
             )
         return state
+
+
+def ranks_line(roles: list[str], pids: list[int]) -> str:
+    """Which rank plays which role, in which process: ``rank=role:pid 0=server:11, 1=worker:12, ...``
+    for ranks in processes of their own (the pid to signal or inspect each), and
+    ``ranks 0=server, 1-32=worker, all in pid 7`` for ranks simulated in one process (a run of
+    ranks with one role is one entry, not 33 copies of one pid)."""
+    if len(set(pids)) != 1 or len(pids) == 1:
+        return "rank=role:pid " + ", ".join(
+            f"{r}={role}:{pid}" for r, (role, pid) in enumerate(zip(roles, pids, strict=True))
+        )
+    runs: list[list] = []  # [first rank, last rank, role]
+    for rank, role in enumerate(roles):
+        if runs and runs[-1][2] == role:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank, role])
+    entries = ", ".join(f"{a}={role}" if a == b else f"{a}-{b}={role}" for a, b, role in runs)
+    return f"ranks {entries}, all in pid {pids[0]}"
 
 
 def _run_facts(transport: Transport) -> dict:

@@ -185,13 +185,16 @@ def test_a_stacked_workers_saved_model_holds_only_its_own_tensors(tmp_path):
     assert (tmp_path / "model.pt").stat().st_size < 1.5 * own + 20_000
 
 
-def test_thirty_two_workers_train_a_small_model():
+def test_thirty_two_workers_train_a_small_model(capfd):
+    import os
+
     cfg = RunConfig(
         model="convnet", batch_size=4, steps=4, dataset="synthetic", codec="topk:ratio=0.05",
         feedback="ef", progress=False, timeout=60, eval_every=0,
     )  # fmt: skip
     results = simulate(cfg, 32)
     assert len(results) == 33 and results[0].role == "server"
+    assert f"[psgrad] ranks 0=server, 1-32=worker, all in pid {os.getpid()}\n" in capfd.readouterr().err
     rows = results[0].rows
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(np.isfinite(row["loss"]) for row in rows)
@@ -202,6 +205,18 @@ def test_thirty_two_workers_train_a_small_model():
     first, last = results[1].params, results[32].params
     for name in first:
         torch.testing.assert_close(first[name], last[name])
+
+
+def test_the_start_line_names_each_ranks_pid_or_the_one_they_share():
+    from psgrad.context import ranks_line
+
+    roles = ["server", "server", "worker", "worker", "worker"]
+    assert ranks_line(roles, [11, 12, 13, 14, 15]) == (
+        "rank=role:pid 0=server:11, 1=server:12, 2=worker:13, 3=worker:14, 4=worker:15"
+    )
+    assert ranks_line(roles, [7] * 5) == "ranks 0-1=server, 2-4=worker, all in pid 7"
+    assert ranks_line(["server", "worker", "server"], [7] * 3) == "ranks 0=server, 1=worker, 2=server, all in pid 7"
+    assert ranks_line(["worker"], [7]) == "rank=role:pid 0=worker:7"
 
 
 def test_the_ranks_of_a_simulation_load_each_dataset_once_and_share_it(monkeypatch):
