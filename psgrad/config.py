@@ -163,7 +163,12 @@ class RunConfig:
         )
         need(
             not self.serve_thread or LAYOUTS.get(self.topology) == "colocated",
-            "--serve-thread is for --topology colocated (a server rank of ps serves all the time anyway)",
+            "--serve-thread is for --topology colocated: "
+            + (
+                "a server rank of ps serves all the time anyway"
+                if LAYOUTS.get(self.topology) == "separate"
+                else f"{self.topology} has no servers"
+            ),
         )
         need(
             self.on_nonfinite in NONFINITE_POLICIES,

@@ -199,6 +199,10 @@ def test_bad_settings_are_named():
         RunConfig(lr=0).validate()
     with pytest.raises(ValueError, match="--push after needs servers"):
         RunConfig(push="after", topology="alltoall").validate()
+    with pytest.raises(ValueError, match="--serve-thread is for --topology colocated: ring has no servers"):
+        RunConfig(serve_thread=True, topology="ring", feedback="none").validate()
+    with pytest.raises(ValueError, match="--serve-thread is for --topology colocated: a server rank of ps serves"):
+        RunConfig(serve_thread=True).validate()
     with pytest.raises(ValueError, match="--model must be one of .*got 'resnet50'"):
         RunConfig(model="resnet50").validate()
     with pytest.raises(ValueError, match="--tensorboard writes into --log-dir"):
