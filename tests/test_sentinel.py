@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,7 +70,7 @@ def test_a_sentinel_lets_go_of_the_jobs_output_before_it_tidies(tmp_path):
     through its tidying pause made every job with a dead rank end that many seconds late."""
     claim_path = tmp_path / "claim"
     proc = subprocess.Popen(
-        [sys.executable, "-I", sentinel.__file__, str(claim_path), "2", "worker", "1234"],
+        [sys.executable, "-I", sentinel.__file__, "1234", str(claim_path), "2", "worker"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -141,3 +142,50 @@ def test_a_claim_on_a_full_disk_still_claims_and_never_raises(tmp_path, monkeypa
     assert sentinel.claim(tmp_path / "claim", "rank 0: an error\n")
     assert (tmp_path / "claim").exists(), "the empty file claims as well"
     assert not sentinel.claim(tmp_path / "claim", "rank 1: another\n")
+
+
+_EARLY_RANK = """
+import mmap, os, signal, sys, time
+from pathlib import Path
+from psgrad.comm import segments, sentinel
+sentinel.start_early()
+with open(sys.argv[1], "r+b") as f:
+    mapped = mmap.mmap(f.fileno(), 64)  # as MPI_Init maps MPICH's segment
+time.sleep(5 * sentinel.POLL_SECONDS)
+if sys.argv[2] == "adopted":
+    sentinel.adopt_early(Path(sys.argv[3]), 2, "worker", segments.job_segments())  # as the watchdog does
+    time.sleep(0.2)
+if sys.argv[2] != "exits":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("end", ["dies", "exits", "adopted"])
+def test_an_early_sentinel_removes_what_a_rank_dying_as_mpi_starts_had_mapped(tmp_path, end):
+    """A rank of a multi-rank launch starts its sentinel before MPI (cli). Killed while MPI starts,
+    or by the launcher in MPI_Init because another rank died first, it ran no code of psgrad's that
+    could remove MPICH's segment; its sentinel, which had seen the rank map it, removes it. A rank
+    that leaves normally keeps it (MPI_Finalize removes it); one adopted by its watchdog is named."""
+    segment = Path("/dev/shm") / f"mpich_shm_psgradtest{os.getpid()}{end}_0"
+    segment.write_bytes(b"\0" * 64)
+    claim_path = tmp_path / "claim"
+    try:
+        rank = subprocess.run(
+            [sys.executable, "-c", _EARLY_RANK, str(segment), end, str(claim_path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert rank.returncode == (0 if end == "exits" else -9), rank.stderr
+        if end == "exits":
+            time.sleep(1.0)
+            assert segment.exists(), "a rank that left normally keeps its segment for MPI_Finalize"
+        else:
+            assert _gone([segment]), "the dead rank's segment is still in /dev/shm"
+        if end == "adopted":
+            deadline = time.monotonic() + 10
+            while not claim_path.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "rank 2 (worker, pid" in claim_path.read_text()
+        else:
+            assert not claim_path.exists(), "before adoption no first death is settled"
+    finally:
+        segment.unlink(missing_ok=True)

@@ -22,30 +22,44 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
    barrier, MPI_Finalize or the interpreter's teardown) is named too, as having died after its
    training ended. A process that goes on after ``train.run`` (a script, the test suite) says
    ``bye`` at once: its sentinel must not outlive the job.
+6. A rank of a multi-rank launch starts its sentinel as its first act (``start_early``), before
+   it imports torch or starts MPI, and the watchdog adopts it later with the job's claim file
+   (``job`` line). Until then the sentinel reads the rank's /proc/PID/maps every
+   ``POLL_SECONDS`` for the MPI library's segments until it sees them (MPI maps them once, as it
+   starts), and removes them if the rank dies:
+   a rank killed while MPI starts, or one the launcher kills in ``MPI_Init`` because another
+   rank died before it got there, once left MPICH's file in /dev/shm for good (no code of
+   psgrad's runs in ``MPI_Init``). It names no one: before the job agrees on a claim file there
+   is no first death to settle. A rank that leaves normally before adoption says ``bye`` at exit.
 
 The claim file lives in the log dir when there is one (shared between nodes on most clusters),
 else in the node's temp dir (then each node may name its own first).
 The sentinel runs this file as a script (stdlib only: no torch, ~10 MB, ~20 ms to start):
-``python -I sentinel.py CLAIM RANK ROLE PID``.
+``python -I sentinel.py PID [CLAIM RANK ROLE]`` (without the claim: started early, see 6).
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import importlib.util
 import os
+import select
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 _BYE = b"bye\n"
 _SEGMENT = b"shm "
 _ABORT = b"abort\n"
 _DONE = b"done\n"
+_JOB = b"job "
 _TIDY_AFTER = 10.0  # seconds: the other ranks' sentinels check the claim within milliseconds
+POLL_SECONDS = 0.02  # an early sentinel's look at the rank's maps (0.7 ms a look), until it sees its segments
 
 
 def claim(path: str | Path, text: str) -> bool:
@@ -88,20 +102,60 @@ def farewell() -> None:
         _held.pop()._tell(_BYE)
 
 
+_early: Sentinel | None = None  # started before MPI, not yet adopted
+
+
+def start_early() -> None:
+    """Start this rank's sentinel now, before MPI starts (module docstring, 6); the watchdog adopts
+    it (``adopt_early``). A process that leaves before that, normally, says goodbye at exit."""
+    global _early
+    if _early is None:
+        _early = Sentinel(None)
+        atexit.register(_leave_unadopted)
+
+
+def adopt_early(claim_path: Path, rank: int, role: str, segments: Sequence[str]) -> Sentinel | None:
+    """The sentinel ``start_early`` started, now told the job (``Sentinel.adopt``), or None if there
+    is none (a script that calls ``train.run`` itself; a second run in one process)."""
+    global _early
+    early, _early = _early, None
+    if early is not None:
+        early.adopt(claim_path, rank, role, segments)
+    return early
+
+
+def _leave_unadopted() -> None:
+    if _early is not None:
+        _early._tell(_BYE)
+
+
 class Sentinel:
     """The rank's side: start the process, then ``bye()`` on a clean end or ``claim()`` before a
     deliberate abort."""
 
-    def __init__(self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = ()) -> None:
-        """``segments``: the MPI library's shared-memory files of the job, removed if the rank dies."""
+    def __init__(self, claim_path: Path | None, rank: int = -1, role: str = "", segments: Sequence[str] = ()) -> None:
+        """``segments``: the MPI library's shared-memory files of the job, removed if the rank dies.
+        Without ``claim_path`` the sentinel starts early (module docstring, 6): ``adopt`` it later."""
         self.claim_path = claim_path
         self.rank = rank
+        job = [] if claim_path is None else [str(claim_path), str(rank), role]
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(claim_path), str(rank), role, str(os.getpid())],
+            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), *job],
             stdin=subprocess.PIPE,
             start_new_session=True,  # the launcher's cleanup kills the rank's process group, not this
             close_fds=True,
         )
+        self._name(segments)
+
+    def adopt(self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = ()) -> None:
+        """An early sentinel learns the job's claim file, the rank and its segments: from now on it
+        is what ``Sentinel(claim_path, rank, role, segments)`` would have started."""
+        self.claim_path, self.rank = claim_path, rank
+        fields = (os.fsencode(str(claim_path)), str(rank).encode(), role.encode())
+        self._tell(_JOB + b"\t".join(fields) + b"\n", last=False)
+        self._name(segments)
+
+    def _name(self, segments: Sequence[str]) -> None:
         if segments:
             self._tell(b"".join(_SEGMENT + os.fsencode(path) + b"\n" for path in segments), last=False)
 
@@ -127,20 +181,42 @@ class Sentinel:
     def claim(self, reason: str) -> None:
         """This rank ends the job on purpose: take the claim so no sentinel blames its victims
         (the sentinel removes the claim file a little later)."""
-        claim(self.claim_path, f"rank {self.rank}: {reason}\n")
+        if self.claim_path is not None:
+            claim(self.claim_path, f"rank {self.rank}: {reason}\n")
         self._tell(_ABORT)
 
 
-def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
-    words = sys.stdin.buffer.read().splitlines(keepends=True)  # until the rank closes the pipe, or dies
+def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = "") -> None:
+    """The sentinel's side: read the rank's words until it closes the pipe (or dies); an early
+    sentinel (no ``claim_path``) looks at the rank's segments meanwhile, until it is adopted."""
+    segments = _segments_module()
+    words: list[bytes] = []
+    seen: list[str] = []  # an early sentinel's look at the rank's segments
+    pending = b""
+    stdin = sys.stdin.fileno()
+    started = time.monotonic()
+    while True:
+        if claim_path is None and not seen:  # started early, not adopted, nothing seen yet: look
+            # (an MPI that maps no such file, Open MPI, is looked at less often after a minute)
+            wait = POLL_SECONDS if time.monotonic() - started < 60 else 1.0
+            if not select.select([stdin], [], [], wait)[0]:
+                seen = segments.job_segments(f"/proc/{pid}/maps")
+                continue
+        chunk = os.read(stdin, 1 << 16)
+        if not chunk:  # the rank closed the pipe, or died
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(_JOB):
+                claim_path, rank, role = (os.fsdecode(field) for field in line[len(_JOB) :].split(b"\t"))
+            else:
+                words.append(line + b"\n")
     if words[-1:] == [_BYE]:
         return
-    for word in words:  # MPI_Finalize, which removes them, will not run (comm/segments.py)
-        if word.startswith(_SEGMENT):
-            try:
-                os.unlink(word[len(_SEGMENT) :].rstrip(b"\n"))
-            except OSError:
-                pass
+    told = [os.fsdecode(word[len(_SEGMENT) :].rstrip(b"\n")) for word in words if word.startswith(_SEGMENT)]
+    segments.remove(told or seen)  # MPI_Finalize, which removes them, will not run (comm/segments.py)
+    if claim_path is None:  # died before the job agreed on a claim file: there is no first death to settle
+        return
     if _ABORT not in words:
         now = datetime.datetime.now().strftime("%H:%M:%S.%f")
         if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):
@@ -167,6 +243,16 @@ def _watch(claim_path: str, rank: str, role: str, pid: str) -> None:
         os.unlink(claim_path)
     except OSError:
         pass
+
+
+def _segments_module() -> ModuleType:
+    """comm/segments.py, loaded from beside this file: the sentinel runs without psgrad's package
+    (whose import would load torch)."""
+    spec = importlib.util.spec_from_file_location("psgrad_segments", Path(__file__).with_name("segments.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

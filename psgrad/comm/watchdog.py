@@ -32,7 +32,7 @@ import msgpack
 
 from ..metrics import say
 from . import segments
-from .sentinel import Sentinel
+from .sentinel import Sentinel, adopt_early
 from .transport import WAITING, Handle, Transport
 
 FLOOR = 60.0
@@ -89,8 +89,9 @@ class Watchdog:
             job = self.world.broadcast_bytes(f"{os.getpid()}-{time.time_ns()}".encode()).decode()
             directory = Path(self.claim_dir) if self.claim_dir else Path(tempfile.gettempdir())
             directory.mkdir(parents=True, exist_ok=True)
-            self.sentinel = Sentinel(
-                directory / f".psgrad-{job}.died", self.rank, self.names(self.rank), segments.job_segments()
+            claim_path, role, mapped = directory / f".psgrad-{job}.died", self.names(self.rank), segments.job_segments()
+            self.sentinel = adopt_early(claim_path, self.rank, role, mapped) or Sentinel(
+                claim_path, self.rank, role, mapped
             )
             self.comm = self.world.dup()
             now = time.monotonic()
