@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -39,29 +39,40 @@ def _written(path: Path, write: Callable[[BinaryIO], object]) -> None:
 
     1. Write through a Python file, so that the system's error comes back as an ``OSError`` (torch
        writing to a path of its own turns a full disk into "basic_ios::clear: iostream error").
-    2. On any error, remove the partial file (on a full disk it holds the space that is short)
-       and raise ``CheckpointError`` naming the file and the system's reason."""
+    2. On any error, remove the partial file (on a full disk it holds the space that is short).
+    3. A Ctrl-C or SIGTERM that arrived during the write (the file's ``write`` is Python code, so
+       the signal's exception is raised inside torch's writer, which reports it as a failed
+       write: "unexpected pos") is raised as the stop it is; any other error as ``CheckpointError``
+       naming the file and the system's reason."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        stop = next((e for e in _chain(err) if isinstance(e, KeyboardInterrupt)), None)
+        if stop is not None:
+            raise stop from None
+        if not isinstance(err, (OSError, RuntimeError)):
+            raise
         reason = system.strerror if (system := system_error(err)) is not None else str(err)
         raise CheckpointError(
             f"could not write {path}: {reason} (free space there, or start again with another --log-dir)"
         ) from err
 
 
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err`` and the errors behind it (``__cause__``, else ``__context__``)."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 def system_error(err: BaseException | None) -> OSError | None:
     """The system's error behind ``err``, itself included: torch raises its own error while the
     ``OSError`` of a failed write is handled, and ``CheckpointError`` is raised from that."""
-    while err is not None:
-        if isinstance(err, OSError) and err.strerror:
-            return err
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in _chain(err) if isinstance(e, OSError) and e.strerror), None)
 
 
 def _atomic_save(obj: object, path: Path) -> None:

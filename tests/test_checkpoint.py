@@ -180,6 +180,32 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_no_partial_f
     assert sorted(p.name for p in directory.iterdir()) == [], "the partial file holds the space that is short"
 
 
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_a_stop_during_a_checkpoint_write_stops_and_is_no_write_error(tmp_path, monkeypatch, stop):
+    """The file's ``write`` is Python code: a SIGTERM or Ctrl-C arriving while torch writes a
+    checkpoint is raised inside torch's writer, which reports "unexpected pos". That was said as a
+    failed write (CheckpointError, status 1) instead of the stop it is (130, 143: CI caught it)."""
+    from psgrad.startup import Terminated
+
+    real_save = torch.save
+
+    class Stopped(io.FileIO):
+        writes = 0
+
+        def write(self, data):
+            Stopped.writes += 1
+            if Stopped.writes == 2:
+                raise Terminated(15) if stop == "SIGTERM" else KeyboardInterrupt()
+            return super().write(data)
+
+    monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, Stopped(f.fileno(), "wb", closefd=False)))
+    directory = checkpoint.step_dir(tmp_path, 5)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        checkpoint.save_rank_state(directory, 0, {"step": 5, "w": torch.zeros(10_000)})
+    assert type(caught.value) is (Terminated if stop == "SIGTERM" else KeyboardInterrupt)
+    assert sorted(p.name for p in directory.iterdir()) == [], "the partial file is removed"
+
+
 def test_the_complete_marker_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     directory = checkpoint.step_dir(tmp_path, 5)
     directory.mkdir()
