@@ -36,7 +36,7 @@ import torch
 
 from ..allocator import keep_freed_memory
 from ..config import RunConfig
-from ..data import ShardLoader, load_dataset
+from ..data import ShardLoader
 from ..models import build_model
 from ..simulate import simulate
 from .baselines import train_rows
@@ -57,7 +57,9 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor)
-    data = load_dataset(cfg.dataset, "train", cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+    from ..context import load_split  # here, not above: ..simulate first keeps MPI from starting at import
+
+    data = load_split(cfg, "train")
     loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     rows, _ = train_rows(cfg, model, loader, optimizer, steps, lambda: 0, lambda step: cfg.lr)
