@@ -34,7 +34,7 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
 
     1. Say so, once.
     2. MPI runs: abort the job.
-    3. Otherwise remove the MPI library's segments this rank maps and die by the signal itself. A normal exit would not do: a signal during mpi4py's
+    3. Otherwise die by the signal itself. A normal exit would not do: a signal during mpi4py's
        import can leave MPI started with its module unlisted, and the interpreter's teardown then
        finalizes MPI, telling the process manager this rank is done while the others wait for it
        in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
@@ -49,11 +49,6 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
         from .comm.transport import abort_if_running
 
         abort_if_running(status)
-    from .comm import segments
-
-    # MPI may run without its module listed (a signal that cut mpi4py's import short right after
-    # MPI_Init): this rank dies and the job with it, so the segment it maps is garbage either way
-    segments.remove(segments.job_segments())
     die_by_signal(err.signum if isinstance(err, Terminated) else signal.SIGINT)
     os._exit(status)  # not reached: the signal's default action ends the process
 
