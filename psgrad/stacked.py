@@ -18,8 +18,9 @@ samples, each torch operation paying its fixed cost sixteen times (docs/benchmar
 
 A stacked convolution (``StackedConv2d``) checks on every call whether the N workers' weights are
 the same (a parameter server's or alltoall's workers right after a pull). If they are, the layer
-has stride 1 and the batch is channels-last, it runs one plain convolution over the workers side
-by side instead of the grouped one (``SharedWeights``); the weight gradient stays per worker.
+pads with zeros and the batch is channels-last, it runs one plain convolution over a view of the
+stacked activations in which the workers lie side by side, instead of the grouped one
+(``SharedWeights``); the weight gradient stays per worker.
 
 ``StackedPass.run(inputs, labels, loss_fn)``: each model's batch goes in along the channels
 (``(B, C, ...)`` per model to ``(B, N*C, ...)``), the output comes apart the same way, each
@@ -40,7 +41,6 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import memory
@@ -80,10 +80,10 @@ class StackedConv2d(nn.Conv2d):
     """N ``Conv2d`` layers as one grouped convolution over the workers' channels, worker-major.
 
     When every worker holds the same weights (a parameter server's or alltoall's workers right
-    after a pull), the layer has stride 1 and zero padding, and the input is channels-last, it
-    computes forward and input gradient as one plain convolution instead (``SharedWeights``):
-    oneDNN's grouped convolutions with 16 channels per group took twice the time of the plain
-    ones in NHWC (docs/benchmarks.md, "`psgrad simulate`")."""
+    after a pull), the layer pads with zeros and the input is channels-last, it computes forward
+    and input gradient as one plain convolution instead (``SharedWeights``): oneDNN's grouped
+    convolutions with 16 channels per group took twice the time of the plain ones in NHWC
+    (docs/benchmarks.md, "`psgrad simulate`")."""
 
     def __init__(self, n: int, layer: nn.Conv2d) -> None:
         super().__init__(
@@ -91,10 +91,11 @@ class StackedConv2d(nn.Conv2d):
             layer.dilation, n * layer.groups, layer.bias is not None, layer.padding_mode,
         )  # fmt: skip
         self.n = n
-        self.shares = self.stride == (1, 1) and self.padding_mode == "zeros" and not isinstance(self.padding, str)
+        shares = self.padding_mode == "zeros" and not isinstance(self.padding, str)
+        self.one_workers = _OneWorkersConvolution(self) if shares else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shares and x.is_contiguous(memory_format=torch.channels_last) and self._same_weights():
+        if self.one_workers is not None and x.is_contiguous(memory_format=torch.channels_last) and self._same_weights():
             return SharedWeights.apply(x, self.weight, self.bias, self)
         return super().forward(x)
 
@@ -105,38 +106,84 @@ class StackedConv2d(nn.Conv2d):
         )
 
 
-def _wide(x: torch.Tensor, n: int) -> torch.Tensor:
-    """A channels-last ``(B, N*C, H, W)`` tensor as the ``(B, C, H, W*N)`` one it already is in
-    memory (each pixel's N workers side by side along the width), without a copy."""
-    b, channels, h, w = x.shape
-    return x.permute(0, 2, 3, 1).view(b, h, w * n, channels // n).permute(0, 3, 1, 2)
+class _OneWorkersConvolution:
+    """One plain convolution, with one worker's weights, that computes all N workers of a stacked
+    channels-last ``(B, N*C, H, W)`` tensor: a view of the stacked memory (``into``; ``back`` views
+    its result as stacked again) and the convolution's settings over it. Neither view copies.
 
+    1. Stride 1 (``wide``): the memory is a ``(B, C, H, W*N)`` image, worker n's pixel (h, w) at
+       width w*N + n. The width's dilation and padding multiplied by N make each output pixel
+       read only its own worker's neighbours and zero padding.
+    2. Any stride (``five_d``): the memory is a channels-last ``(B, C, H, W, N)`` volume; a 3-D
+       convolution with a kernel one worker deep and stride 1 along the workers.
+    Both give the same values. For stride 1 the wide one was 4 % faster over a WRN-10-1 pass; for
+    stride 2 only the 3-D one exists, and it is faster than the grouped convolution (forward
+    4.9 against 7.6 ms, input gradient 7.5 against 9.6 on the first strided 3x3 of WRN-10-1 at
+    16 x 8 images; docs/benchmarks.md, "Session 29")."""
 
-def _stacked(x: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of ``_wide``."""
-    x = x.contiguous(memory_format=torch.channels_last)
-    b, channels, h, wide = x.shape
-    return x.permute(0, 2, 3, 1).view(b, h, wide // n, n * channels).permute(0, 3, 1, 2)
+    def __init__(self, layer: StackedConv2d) -> None:
+        self.n, self.groups = layer.n, layer.groups // layer.n
+        (ph, pw), (dh, dw) = layer.padding, layer.dilation
+        self.five_d = layer.stride != (1, 1)
+        if self.five_d:
+            self.into, self.back = self._five_d, self._stacked_from_five_d
+            self.stride, self.padding, self.dilation = [*layer.stride, 1], [ph, pw, 0], [dh, dw, 1]
+        else:
+            self.into, self.back = self._wide, self._stacked_from_wide
+            self.stride, self.padding, self.dilation = [1, 1], [ph, pw * self.n], [dh, dw * self.n]
+
+    def weight(self, stacked_weight: torch.Tensor) -> torch.Tensor:
+        """Worker 0's slice of the stacked weight, shaped for this convolution."""
+        weight = stacked_weight[: stacked_weight.shape[0] // self.n]
+        return weight.unsqueeze(-1) if self.five_d else weight
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.convolution(
+            self.into(x), self.weight(weight), bias, self.stride, self.padding, self.dilation, False,
+            [0] * len(self.stride), self.groups,
+        )  # fmt: skip
+        return self.back(out)
+
+    def input_gradient(self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        grad_x = torch.ops.aten.convolution_backward(
+            self.into(grad), self.into(x), self.weight(weight), None, self.stride, self.padding, self.dilation,
+            False, [0] * len(self.stride), self.groups, [True, False, False],
+        )[0]  # fmt: skip
+        return self.back(grad_x)
+
+    def _wide(self, x: torch.Tensor) -> torch.Tensor:
+        b, channels, h, w = x.shape
+        return x.permute(0, 2, 3, 1).view(b, h, w * self.n, channels // self.n).permute(0, 3, 1, 2)
+
+    def _stacked_from_wide(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        b, channels, h, wide = x.shape
+        return x.permute(0, 2, 3, 1).view(b, h, wide // self.n, self.n * channels).permute(0, 3, 1, 2)
+
+    def _five_d(self, x: torch.Tensor) -> torch.Tensor:
+        b, channels, h, w = x.shape
+        return x.permute(0, 2, 3, 1).view(b, h, w, self.n, channels // self.n).permute(0, 4, 1, 2, 3)
+
+    def _stacked_from_five_d(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+        b, channels, h, w, n = x.shape
+        return x.permute(0, 2, 3, 4, 1).view(b, h, w, n * channels).permute(0, 3, 1, 2)
 
 
 class SharedWeights(torch.autograd.Function):
-    """A stride-1 stacked convolution whose N workers hold the same weights, as one plain one.
+    """A stacked convolution whose N workers hold the same weights, as one plain one.
 
-    1. Forward: in channels-last memory the stacked input is ``(B, C, H, W*N)``: worker n's pixel
-       (h, w) at width w*N + n. A convolution over that width with the dilation and the padding
-       multiplied by N reads, for each output pixel, only its own worker's neighbours and its
-       zero padding: with worker 0's weights it is every worker's output, in the stacked layout.
+    1. Forward: ``_OneWorkersConvolution`` with worker 0's weights computes every worker's
+       output, in the stacked layout.
     2. Backward: the input gradient is that convolution's, the same way; the weight gradient
        must stay per worker, so it is the grouped convolution's (and the bias's a sum per
        channel)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: StackedConv2d):
-        n = layer.n
-        k = weight.shape[0] // n
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
-        out = _stacked(F.conv2d(_wide(x, n), weight[:k], None if bias is None else bias[:k], 1, *_widened(layer)), n)
+        out = layer.one_workers.forward(x, weight, None if bias is None else bias[: bias.shape[0] // layer.n])
         # the same memory as a tensor of its own: a view returned from here may not be changed in
         # place (AlexNet's ReLU(inplace=True) does)
         return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
@@ -146,16 +193,10 @@ class SharedWeights(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         layer: StackedConv2d = ctx.layer
-        n = layer.n
         grad = grad.contiguous(memory_format=torch.channels_last)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            padding, dilation, groups = _widened(layer)
-            grad_x = torch.ops.aten.convolution_backward(
-                _wide(grad, n), _wide(x, n), weight[: weight.shape[0] // n], None, [1, 1], padding, dilation,
-                False, [0, 0], groups, [True, False, False],
-            )[0]  # fmt: skip
-            grad_x = _stacked(grad_x, n)
+            grad_x = layer.one_workers.input_gradient(grad, x, weight)
         if ctx.needs_input_grad[1]:
             grad_w = torch.ops.aten.convolution_backward(
                 grad, x, weight, None, list(layer.stride), list(layer.padding), list(layer.dilation), False,
@@ -164,12 +205,6 @@ class SharedWeights(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2, 3))
         return grad_x, grad_w, grad_b, None
-
-
-def _widened(layer: StackedConv2d) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """Padding, dilation and groups of one worker's convolution over the ``_wide`` layout."""
-    (ph, pw), (dh, dw) = layer.padding, layer.dilation
-    return (ph, pw * layer.n), (dh, dw * layer.n), layer.groups // layer.n
 
 
 def _stacked_layer(layer: nn.Module, n: int) -> nn.Module:
