@@ -184,9 +184,8 @@ class SharedWeights(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
         out = layer.one_workers.forward(x, weight, None if bias is None else bias[: bias.shape[0] // layer.n])
-        # the same memory as a tensor of its own: a view returned from here may not be changed in
-        # place (AlexNet's ReLU(inplace=True) does)
-        return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), out.shape, out.stride())
+        # a view returned from here may not be changed in place (AlexNet's ReLU(inplace=True) does)
+        return _own(out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -196,7 +195,8 @@ class SharedWeights(torch.autograd.Function):
         grad = grad.contiguous(memory_format=torch.channels_last)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = layer.one_workers.input_gradient(grad, x, weight)
+            # autograd adds a second gradient into a tensor of its own in place, into a view out of place
+            grad_x = _own(layer.one_workers.input_gradient(grad, x, weight))
         if ctx.needs_input_grad[1]:
             grad_w = torch.ops.aten.convolution_backward(
                 grad, x, weight, None, list(layer.stride), list(layer.padding), list(layer.dilation), False,
@@ -205,6 +205,13 @@ class SharedWeights(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2, 3))
         return grad_x, grad_w, grad_b, None
+
+
+def _own(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor of its own, not a view. (Through ``set_(tensor)``: a Python
+    storage object, ``untyped_storage()``, would hold a second reference to the memory.)"""
+    own = view.new_empty(0).set_(view)
+    return own.as_strided_(view.shape, view.stride(), view.storage_offset())
 
 
 def _stacked_layer(layer: nn.Module, n: int) -> nn.Module:
