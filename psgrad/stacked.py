@@ -326,12 +326,10 @@ class StackedPass:
         for stacked, parts in self.params:
             if stacked.grad is None:
                 continue
-            per_model = stacked.grad.reshape(n, *parts[0].shape)
-            for i, part in enumerate(parts):
-                part.grad = per_model[i]
+            for part, grad in zip(parts, stacked.grad.reshape(n, *parts[0].shape).unbind(), strict=True):
+                part.grad = grad
         for count, parts in self.counts:
-            for part in parts:
-                part.copy_(count)
+            torch._foreach_copy_(parts, [count] * len(parts))
         return [float(loss.detach()) for loss in losses]
 
 
