@@ -195,7 +195,8 @@ class SharedWeights(torch.autograd.Function):
         grad = grad.contiguous(memory_format=torch.channels_last)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            # autograd adds a second gradient into a tensor of its own in place, into a view out of place
+            # a view keeps its base alive, a second reference to the memory: autograd would add a
+            # second gradient to it out of place (an 8 MB copy), where it adds to a tensor of its own in place
             grad_x = _own(layer.one_workers.input_gradient(grad, x, weight))
         if ctx.needs_input_grad[1]:
             grad_w = torch.ops.aten.convolution_backward(
