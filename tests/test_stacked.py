@@ -87,6 +87,25 @@ def test_the_models_and_the_stacked_model_share_their_parameters():
     assert models[2].fc.weight.grad.data_ptr() == grad[2].data_ptr()  # a view, not a copy
 
 
+def test_the_shared_convolutions_let_autograd_add_gradients_in_place():
+    """A strided block's activation gets two input gradients (shortcut and 3x3), both from shared
+    convolutions: autograd adds the second in place, as in one model's own pass. An output that
+    kept a second reference to its memory made it add out of place (an 8 MB copy a block)."""
+    models = [copy.deepcopy(_models("wrn")[0]) for _ in range(N)]
+    images, labels = _batches()
+    images = [x.contiguous(memory_format=torch.channels_last) for x in images]
+    stacked = StackedPass(models)
+    stacked.run(images, labels, F.cross_entropy)  # the first pass also checks the outputs
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        stacked.run(images, labels, F.cross_entropy)
+    image_adds = [
+        e.name for e in profile.events() if e.name in ("aten::add", "aten::add_") and len(e.input_shapes[0]) == 4
+    ]
+    residual_additions = 3  # WRN-10-1's blocks, in the forward
+    assert image_adds.count("aten::add") == residual_additions
+    assert image_adds.count("aten::add_") == 3  # the stem's output and the two strided blocks' activations
+
+
 def test_the_stacked_inputs_put_each_models_channels_in_its_place():
     parts = [torch.full((2, 3, 4, 4), float(i)) for i in range(N)]
     stacked = stack_inputs(parts)
