@@ -138,6 +138,9 @@ class _OneWorkersConvolution:
         return weight.unsqueeze(-1) if self.five_d else weight
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Every worker's output, from the stacked ``weight`` and ``bias`` (worker 0's slices are used)."""
+        if bias is not None:
+            bias = bias[: bias.shape[0] // self.n]
         out = torch.convolution(
             self.into(x), self.weight(weight), bias, self.stride, self.padding, self.dilation, False,
             [0] * len(self.stride), self.groups,
@@ -183,7 +186,7 @@ class SharedWeights(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: StackedConv2d):
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
-        out = layer.one_workers.forward(x, weight, None if bias is None else bias[: bias.shape[0] // layer.n])
+        out = layer.one_workers.forward(x, weight, bias)
         # a view returned from here may not be changed in place (AlexNet's ReLU(inplace=True) does)
         return _own(out)
 
