@@ -437,6 +437,38 @@ def test_messages_between_two_ranks_arrive_in_order_and_match_by_tag():
     assert received == 5 + sum(range(1, 6))
 
 
+def test_progress_lets_go_of_sends_that_are_done_and_keeps_the_rest():
+    def body(t: LocalTransport):
+        if t.rank == 1:
+            t.barrier()
+            return None
+        sends = [t.isend(bytes(1000), 1, tag=i) for i in range(3)]  # a local send is done when made
+        receive = t.irecv(8, 1, 9)
+        left = t.progress([*sends, receive])
+        t.barrier()
+        receive.cancel()
+        return left == [receive]
+
+    assert _ranks(2, body)[0] is True
+
+
+def test_a_server_holds_no_more_replies_after_many_steps_than_after_a_few():
+    from psgrad.engine import server
+
+    held: list[int] = []
+    handle = server.ServerBase._handle
+
+    def counting(self, handles, done):
+        handle(self, handles, done)
+        held.append(len(self.sends))
+
+    cfg = RunConfig(model="mlp", batch_size=4, steps=30, dataset="synthetic", progress=False, eval_every=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server.ServerBase, "_handle", counting)
+        simulate(cfg, 4, cores=1, stack=False)
+    assert held and max(held) <= 4  # one step's replies at most; it grew by 4 every step
+
+
 def test_a_message_larger_than_its_receive_is_an_error():
     def body(t: LocalTransport):
         if t.rank == 1:

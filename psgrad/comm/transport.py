@@ -297,11 +297,15 @@ class Transport:
             handle.wait(idle)
 
     def progress(self, handles: list[Handle]) -> list[Handle]:
-        """Drive MPI's progress engine and drop the handles that completed (cheap; call often)."""
+        """Drive MPI's progress engine and drop the handles that are done (cheap; call often).
+
+        Done, not just completed in this call: a handle completed earlier (a local send is done
+        when made, a waited one by its wait) would otherwise stay in the caller's list, and with
+        it its buffer, for the rest of the run."""
         if not handles:
             return handles
-        done = set(self.test_some(handles))
-        return [h for i, h in enumerate(handles) if i not in done]
+        self.test_some(handles)
+        return [h for h in handles if not h.done]
 
     # ---------------------------------------------------------------- collectives
     def iallgather_sizes(self, nbytes: int) -> tuple[Handle, np.ndarray]:
