@@ -413,6 +413,31 @@ def test_the_time_spent_loading_a_batch_is_its_own_column(topology):
         assert row["forward"] < pause
 
 
+@pytest.mark.parametrize("topology", ["ps", "alltoall", "ring"])
+def test_parsing_a_gradient_or_a_reply_is_decoding_in_every_topology(topology, monkeypatch):
+    """``decode`` holds wire.loads of gradients and replies as ``encode`` holds wire.dumps (the ps
+    worker counted it as waiting for its pull, the server as nothing)."""
+    from psgrad.comm import wire
+
+    pause, parse = 0.05, wire.loads
+
+    def slow_loads(*args, **kwargs):
+        msg = parse(*args, **kwargs)
+        if msg.kind in ("grad", "params"):
+            time.sleep(pause)
+        return msg
+
+    monkeypatch.setattr(wire, "loads", slow_loads)
+    cfg = RunConfig(
+        model="mlp", steps=3, batch_size=8, progress=False, timeout=60, topology=topology, eval_every=0,
+        granularity="model",
+    )  # fmt: skip
+    rows = simulate(cfg, 2)[0].rows
+    assert all(row["decode"] >= pause for row in rows)  # one message a step in, per worker
+    if topology == "ps":
+        assert rows[-1]["server_decode"] >= 2 * 3 * pause  # both workers' gradients, every step
+
+
 # ---------------------------------------------------------------------- the transport itself
 def _ranks(size: int, body, stall: float = 30.0) -> list:
     """Run ``body(transport)`` on ``size`` local ranks in threads; their results or exceptions."""

@@ -249,9 +249,12 @@ class ServerBase:
             shape = (
                 self.layers[handle.key[2]].shape if kind == "grad" else (handle.key[2],) if kind == "values" else None
             )
+            start = time.perf_counter()
             msg = wire.loads(handle.payload(), max_bytes=len(handle.buffer), shape=shape)
         except wire.WireError as err:
             raise RuntimeError(f"malformed {kind} message from rank {handle.peer}: {err}") from None
+        if kind == "grad":  # parsing a gradient is decoding it (alltoall and gossip count it so too)
+            self.times["decode"] += time.perf_counter() - start
         if msg.sender != handle.peer:
             raise RuntimeError(f"{kind} message from rank {handle.peer} claims sender {msg.sender}")
         if kind == "grad":

@@ -85,6 +85,7 @@ class Worker:
         self.optimizer = ctx.make_optimizer() if max(self.rounds, default=1) > 1 else None
         self._advancing = False
         self.pulls: dict[int, Handle | None] = {}  # None: the reply comes from the local server
+        self.parse_seconds = 0.0  # the last reply's wire.loads: decoding, not waiting
         self.pull_step = 0
         self.sends: list[Handle] = []
         self.sent: set[int] = set()
@@ -144,6 +145,7 @@ class Worker:
     def _receive(self, index: int, block: bool) -> Message | None:
         """The next message the layer's server sent this worker (None: not yet, when not blocking)."""
         handle, layer = self.pulls[index], self.layers[index]
+        self.parse_seconds = 0.0
         if handle is None:
             with self.local.lock:
                 if block:
@@ -154,7 +156,10 @@ class Worker:
         elif not handle.test():
             return None
         self.stats.bytes_down += handle.count
-        return wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+        start = time.perf_counter()
+        msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+        self.parse_seconds = time.perf_counter() - start
+        return msg
 
     def advance_rounds(self, only: int | None = None) -> bool:
         """Answer the servers' replies of open rounds with the next round's message; blocking for
@@ -204,7 +209,9 @@ class Worker:
             self.advance_rounds(only=index)
         msg = self._receive(index, block=True)
         del self.pulls[index]
-        self.stats.pull_wait += time.perf_counter() - start
+        # parsing the reply is decoding it, as encoding counts wire.dumps (and alltoall's and gossip's decode, wire.loads)
+        self.stats.pull_wait += time.perf_counter() - start - self.parse_seconds
+        self.stats.decode += self.parse_seconds
         start = time.perf_counter()
         self.doing = doing
         self._apply_pull(layer, msg, start)
