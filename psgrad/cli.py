@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,11 +62,15 @@ class _Commands(click.Group):
     def invoke(self, ctx: click.Context):
         from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_end_the_rank, stop_signals_raise
 
-        if launched_ranks() > 1:  # before torch and MPI: a rank that dies while MPI starts is seen to
-            from .comm.sentinel import start_early
-
-            start_early()
         try:
+            if launched_ranks() > 1:
+                # psgrad.entry had Ctrl-C end the rank by the signal until here; from here it is
+                # raised, and _leave_the_job below ends the job
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                from .comm.sentinel import start_early
+
+                start_early()  # before torch and MPI: a rank that dies while MPI starts is seen to
             # SIGTERM as Ctrl-C for the whole command, but not in a rank of a multi-rank launch
             # before MPI runs: a rank leaving then without dying by the signal hung the job (a
             # training rank turns it on around train.run, _train)

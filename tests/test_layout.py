@@ -81,7 +81,8 @@ FLOORS = [
     (6, ["psgrad.train", "psgrad.simulate"]),
     (7, ["psgrad.options", "psgrad.plot"]),
     (8, ["psgrad.bench"]),
-    (9, ["psgrad.cli", "psgrad.clidoc", "psgrad.__main__"]),
+    (9, ["psgrad.cli", "psgrad.clidoc"]),
+    (10, ["psgrad.entry", "psgrad.__main__"]),
 ]
 
 

@@ -543,6 +543,34 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     assert proc.stderr.count(hint) == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("where", ["parsing", "sentinel"])
+def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
+    """A rank of a multi-rank launch that gets Ctrl-C while click parses its options, or while it
+    starts its sentinel, dies by SIGINT: the process manager then ends the job. It exited with
+    status 1 and click's "Aborted!" instead, before MPI started, and the other ranks waited for it
+    in MPI's start-up for ever (the start-up signal test below hung 1 run in 40)."""
+    import os
+    import signal
+    import subprocess
+
+    patch = {
+        "parsing": "import click\nparse = click.Group.make_context\n"
+        "def make_context(self, *args, **kwargs):\n    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return parse(self, *args, **kwargs)\nclick.Group.make_context = make_context",
+        "sentinel": "import psgrad.comm.sentinel as sentinel\n"
+        "def start_early():\n    os.kill(os.getpid(), signal.SIGINT)\nsentinel.start_early = start_early",
+    }[where]
+    script = f"import os, signal\n{patch}\nfrom psgrad.entry import main\nmain()"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "train", "--model", "mlp", "--steps", "1"],
+        env={**os.environ, "PMI_SIZE": "3"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+    assert "Aborted!" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if where == "sentinel":  # psgrad's own handling from the command's start: it says so
+        assert "[psgrad] interrupted while starting or ending" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("delay", [0.2, 0.5, 1.0])
 def test_a_signal_to_one_rank_while_it_starts_never_hangs_the_job(signal_name, delay):
