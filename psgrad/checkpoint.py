@@ -18,9 +18,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
+
+from .chain import error_chain, stop_behind
 
 if TYPE_CHECKING:  # torch is imported where files are written or read: the command line finds runs without it
     import torch
@@ -51,7 +53,7 @@ def _written(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        stop = next((e for e in _chain(err) if isinstance(e, KeyboardInterrupt)), None)
+        stop = stop_behind(err)
         if stop is not None:
             raise stop from None
         if not isinstance(err, (OSError, RuntimeError)):
@@ -62,17 +64,10 @@ def _written(path: Path, write: Callable[[BinaryIO], object]) -> None:
         ) from err
 
 
-def _chain(err: BaseException | None) -> Iterator[BaseException]:
-    """``err`` and the errors behind it (``__cause__``, else ``__context__``)."""
-    while err is not None:
-        yield err
-        err = err.__cause__ or err.__context__
-
-
 def system_error(err: BaseException | None) -> OSError | None:
     """The system's error behind ``err``, itself included: torch raises its own error while the
     ``OSError`` of a failed write is handled, and ``CheckpointError`` is raised from that."""
-    return next((e for e in _chain(err) if isinstance(e, OSError) and e.strerror), None)
+    return next((e for e in error_chain(err) if isinstance(e, OSError) and e.strerror), None)
 
 
 def _atomic_save(obj: object, path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from .chain import stop_behind
 from .choices import MODEL_NAMES
 from .options import SectionedCommand, config_from, config_option, run_options, run_settings
 
@@ -92,6 +93,13 @@ class _Commands(click.Group):
                 ctx.exit(2)
         except AgreementError:
             ctx.exit(2)
+        except Exception as err:
+            # a Ctrl-C that a library reported as its own error (one inside torch's import is a
+            # RuntimeError): a rank exiting on it before MPI started hung the job, as above
+            stop = stop_behind(err)
+            if stop is None or launched_ranks() < 2:
+                raise
+            _leave_the_job(stop)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's whole first paragraph, wrapped, not cut at 45 characters."""

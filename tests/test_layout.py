@@ -67,6 +67,7 @@ FLOORS = [
             "psgrad.comm.layout",
             "psgrad.comm.deferred_mpi",
             "psgrad.comm.segments",
+            "psgrad.chain",
         ],
     ),
     (1, ["psgrad.feedback", "psgrad.comm.wire"]),
