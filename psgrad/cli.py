@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +56,27 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
     os._exit(status)  # not reached: the signal's default action ends the process
 
 
+def _fail_the_job(err: Exception) -> None:
+    """A rank of a multi-rank launch failed outside ``train.run`` (which aborts the job itself):
+    print the error as Python would, then end the job, as ``_leave_the_job`` does for a signal.
+    A rank that exited with status 1 before MPI started left the others spinning in MPI's
+    start-up for ever, at a full core each: MPI's C code never returns to let a Ctrl-C or SIGTERM
+    handler of Python's run. So: MPI runs, abort the job with status 1; otherwise die by SIGTERM,
+    which the process manager ends the job for."""
+    from .startup import die_by_signal
+
+    traceback.print_exception(err)
+    print(f"[psgrad] this rank failed while starting or ending: {type(err).__name__}: {err}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from .comm.transport import abort_if_running
+
+        abort_if_running(1)
+    die_by_signal(signal.SIGTERM)
+    os._exit(1)  # not reached: the signal's default action ends the process
+
+
 class _Commands(click.Group):
     """Under a multi-rank launch, a training command's usage error is printed once for the job
     (by the lowest rank that has it, after every rank agreed; psgrad/startup.py), and every rank
@@ -93,13 +115,17 @@ class _Commands(click.Group):
                 ctx.exit(2)
         except AgreementError:
             ctx.exit(2)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
         except Exception as err:
-            # a Ctrl-C that a library reported as its own error (one inside torch's import is a
-            # RuntimeError): a rank exiting on it before MPI started hung the job, as above
-            stop = stop_behind(err)
-            if stop is None or launched_ranks() < 2:
+            if launched_ranks() < 2:
                 raise
-            _leave_the_job(stop)
+            # a Ctrl-C that a library reported as its own error (one inside torch's import is a
+            # RuntimeError) is the stop it is; any other error must end the job too
+            stop = stop_behind(err)
+            if stop is not None:
+                _leave_the_job(stop)
+            _fail_the_job(err)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's whole first paragraph, wrapped, not cut at 45 characters."""

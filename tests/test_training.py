@@ -576,6 +576,39 @@ def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
         assert "[psgrad] interrupted while starting or ending" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_rank_that_fails_before_mpi_starts_ends_the_job():
+    """Rank 2 of three raises an ordinary error before MPI starts: it prints it, and the job ends.
+    It exited with status 1 and the other two spun in MPI's start-up for ever at a full core
+    each, where neither Ctrl-C nor SIGTERM reached them (Python's handlers never ran)."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import mpiexec
+
+    script = (
+        "import os, sys\nimport psgrad.comm.sentinel as sentinel\nstart = sentinel.start_early\n"
+        "def start_early():\n    if os.environ.get('PMI_RANK') == '2':\n        raise RuntimeError('broken rank')\n"
+        "    start()\nsentinel.start_early = start_early\n"
+        "sys.argv = ['psgrad', 'train', '--model', 'mlp', '--steps', '3', '--no-progress']\n"
+        "from psgrad.entry import main\nmain()"
+    )
+    job = subprocess.Popen(
+        [mpiexec(), "-n", "3", sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung after one rank failed before MPI started")
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", "broken rank"], check=False)
+    assert job.returncode != 0
+    assert "RuntimeError: broken rank" in err and "this rank failed while starting or ending" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("delay", [0.2, 0.5, 1.0])
 def test_a_signal_to_one_rank_while_it_starts_never_hangs_the_job(signal_name, delay):
