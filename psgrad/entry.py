@@ -18,6 +18,7 @@ from .startup import launched_ranks
 
 
 def main() -> None:
+    """Set Ctrl-C to end a rank of a multi-rank launch by the signal, then run the command line."""
     if launched_ranks() > 1:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     from .cli import main as command_line
