@@ -65,7 +65,10 @@ def _fail_the_job(err: Exception) -> None:
     which the process manager ends the job for."""
     from .startup import die_by_signal
 
-    traceback.print_exception(err)
+    if isinstance(err, click.ClickException):  # click's own error: its one line, as click prints it
+        err.show()
+    else:
+        traceback.print_exception(err)
     print(f"[psgrad] this rank failed while starting or ending: {type(err).__name__}: {err}", file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
@@ -115,7 +118,7 @@ class _Commands(click.Group):
                 ctx.exit(2)
         except AgreementError:
             ctx.exit(2)
-        except (click.exceptions.Exit, click.Abort, click.ClickException):
+        except (click.exceptions.Exit, click.Abort):
             raise
         except Exception as err:
             if launched_ranks() < 2:

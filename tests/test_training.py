@@ -576,10 +576,11 @@ def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
         assert "[psgrad] interrupted while starting or ending" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_rank_that_fails_before_mpi_starts_ends_the_job():
-    """Rank 2 of three raises an ordinary error before MPI starts: it prints it, and the job ends.
-    It exited with status 1 and the other two spun in MPI's start-up for ever at a full core
-    each, where neither Ctrl-C nor SIGTERM reached them (Python's handlers never ran)."""
+@pytest.mark.parametrize("error", ["RuntimeError", "click.ClickException"])
+def test_a_rank_that_fails_before_mpi_starts_ends_the_job(error):
+    """Rank 2 of three raises an ordinary error (or click's own) before MPI starts: it prints it,
+    and the job ends. It exited with status 1 and the other two spun in MPI's start-up for ever at
+    a full core each, where neither Ctrl-C nor SIGTERM reached them (Python's handlers never ran)."""
     import os
     import signal
     import subprocess
@@ -587,8 +588,8 @@ def test_a_rank_that_fails_before_mpi_starts_ends_the_job():
     from conftest import mpiexec
 
     script = (
-        "import os, sys\nimport psgrad.comm.sentinel as sentinel\nstart = sentinel.start_early\n"
-        "def start_early():\n    if os.environ.get('PMI_RANK') == '2':\n        raise RuntimeError('broken rank')\n"
+        "import os, sys, click\nimport psgrad.comm.sentinel as sentinel\nstart = sentinel.start_early\n"
+        f"def start_early():\n    if os.environ.get('PMI_RANK') == '2':\n        raise {error}('broken rank')\n"
         "    start()\nsentinel.start_early = start_early\n"
         "sys.argv = ['psgrad', 'train', '--model', 'mlp', '--steps', '3', '--no-progress']\n"
         "from psgrad.entry import main\nmain()"
@@ -606,7 +607,8 @@ def test_a_rank_that_fails_before_mpi_starts_ends_the_job():
             os.killpg(job.pid, signal.SIGKILL)
         subprocess.run(["pkill", "-KILL", "-f", "broken rank"], check=False)
     assert job.returncode != 0
-    assert "RuntimeError: broken rank" in err and "this rank failed while starting or ending" in err, err[-3000:]
+    said = "Error: broken rank" if error.startswith("click") else "RuntimeError: broken rank"
+    assert said in err and "this rank failed while starting or ending" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
