@@ -43,16 +43,25 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
        in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
        others waiting in MPI's start-up. Both hung the job. A rank killed by a signal is one the
        process manager ends the job for."""
-    from .startup import Terminated, die_by_signal, stop_reason
+    from .startup import Terminated, stop_reason
 
     reason, status = stop_reason(err)
     print(f"[psgrad] {reason} while starting or ending", file=sys.stderr, flush=True)
+    _end_the_job(status, err.signum if isinstance(err, Terminated) else signal.SIGINT)
+
+
+def _end_the_job(status: int, signum: int) -> None:
+    """End this rank's job: abort it with ``status`` if MPI runs, else die by ``signum`` (the
+    process manager then ends the job; see ``_leave_the_job``)."""
+    from .startup import die_by_signal
+
+    sys.stderr.flush()
     sys.stdout.flush()
     if "mpi4py.MPI" in sys.modules:
         from .comm.transport import abort_if_running
 
         abort_if_running(status)
-    die_by_signal(err.signum if isinstance(err, Terminated) else signal.SIGINT)
+    die_by_signal(signum)
     os._exit(status)  # not reached: the signal's default action ends the process
 
 
@@ -63,21 +72,12 @@ def _fail_the_job(err: Exception) -> None:
     start-up for ever, at a full core each: MPI's C code never returns to let a Ctrl-C or SIGTERM
     handler of Python's run. So: MPI runs, abort the job with status 1; otherwise die by SIGTERM,
     which the process manager ends the job for."""
-    from .startup import die_by_signal
-
     if isinstance(err, click.ClickException):  # click's own error: its one line, as click prints it
         err.show()
     else:
         traceback.print_exception(err)
     print(f"[psgrad] this rank failed while starting or ending: {type(err).__name__}: {err}", file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    if "mpi4py.MPI" in sys.modules:
-        from .comm.transport import abort_if_running
-
-        abort_if_running(1)
-    die_by_signal(signal.SIGTERM)
-    os._exit(1)  # not reached: the signal's default action ends the process
+    _end_the_job(1, signal.SIGTERM)
 
 
 class _Commands(click.Group):

@@ -199,11 +199,16 @@ def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = 
     creations = _creations(segments.SHM_DIR) if claim_path is None else None
     soon = False  # a file was just created there: look again in a moment (MPI maps it right after)
     while True:
+        if creations is not None and (claim_path is not None or seen):  # no more looks: its events would pile up
+            os.close(creations)
+            creations = None
         if claim_path is None and not seen:  # started early, not adopted, nothing seen yet: look
             # (an MPI that maps no such file, Open MPI, is looked at less often after a minute)
             wait = 0.001 if soon else POLL_SECONDS if time.monotonic() - started < 60 else 1.0
             ready = select.select([stdin] if creations is None else [stdin, creations], [], [], wait)[0]
-            soon = creations in ready and _drained(creations)
+            soon = creations is not None and creations in ready
+            if soon:
+                _drain(creations)
             if stdin not in ready:
                 seen = segments.job_segments(f"/proc/{pid}/maps")
                 continue
@@ -274,14 +279,13 @@ def _creations(directory: str) -> int | None:
     return fd
 
 
-def _drained(fd: int) -> bool:
-    """Read every pending event of ``fd`` (non-blocking); True."""
+def _drain(fd: int) -> None:
+    """Read every pending event of the non-blocking ``fd``."""
     try:
         while os.read(fd, 1 << 12):
             pass
     except BlockingIOError:
         pass
-    return True
 
 
 def _segments_module() -> ModuleType:
