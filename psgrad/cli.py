@@ -43,10 +43,10 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
        in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
        others waiting in MPI's start-up. Both hung the job. A rank killed by a signal is one the
        process manager ends the job for."""
-    from .startup import Terminated, stop_reason
+    from .startup import Terminated, rank_said, stop_reason
 
     reason, status = stop_reason(err)
-    print(f"[psgrad] {reason} while starting or ending", file=sys.stderr, flush=True)
+    print(rank_said(f"{reason} while starting or ending"), file=sys.stderr, flush=True)
     _end_the_job(status, err.signum if isinstance(err, Terminated) else signal.SIGINT)
 
 
@@ -72,11 +72,13 @@ def _fail_the_job(err: Exception) -> None:
     start-up for ever, at a full core each: MPI's C code never returns to let a Ctrl-C or SIGTERM
     handler of Python's run. So: MPI runs, abort the job with status 1; otherwise die by SIGTERM,
     which the process manager ends the job for."""
+    from .startup import rank_said
+
     if isinstance(err, click.ClickException):  # click's own error: its one line, as click prints it
         err.show()
     else:
         traceback.print_exception(err)
-    print(f"[psgrad] this rank failed while starting or ending: {type(err).__name__}: {err}", file=sys.stderr)
+    print(rank_said(f"failed while starting or ending: {type(err).__name__}: {err}"), file=sys.stderr)
     _end_the_job(1, signal.SIGTERM)
 
 

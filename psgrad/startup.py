@@ -38,6 +38,7 @@ scheduler's cancel or time limit, ``kill``, ``timeout``). Not SIGHUP: loading MP
 (libucs) takes SIGHUP over for its debug handler, so a handler set here would be gone."""
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
 class AgreementError(ValueError):
@@ -127,6 +128,24 @@ def launched_ranks() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 1
+
+
+def launched_rank() -> int | None:
+    """This process's rank as the MPI launcher set it in the environment (no MPI initialisation),
+    or None when no launcher did."""
+    for name in _RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def rank_said(what: str) -> str:
+    """``what`` (a line's text after the tag) tagged as psgrad's in-run lines are, ``[psgrad rank N]
+    what``, when the launcher says which rank this process is; else ``[psgrad] this rank what``.
+    For the lines a rank prints before MPI can tell it: under mpiexec every rank's lines share one
+    stream."""
+    rank = launched_rank()
+    return f"[psgrad] this rank {what}" if rank is None else f"[psgrad rank {rank}] {what}"
 
 
 def _first(transport: Transport, mine: bool) -> int | None:

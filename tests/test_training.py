@@ -543,6 +543,26 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     assert proc.stderr.count(hint) == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "env,said",
+    [
+        ({"PMI_RANK": "2"}, "[psgrad rank 2] failed"),  # MPICH's hydra
+        ({"OMPI_COMM_WORLD_RANK": "5"}, "[psgrad rank 5] failed"),  # Open MPI
+        ({"SLURM_PROCID": "7"}, "[psgrad rank 7] failed"),  # srun
+        ({"PMI_RANK": "x"}, "[psgrad] this rank failed"),  # not a number: not trusted
+        ({}, "[psgrad] this rank failed"),
+    ],
+)
+def test_a_line_printed_before_mpi_names_the_launchers_rank(monkeypatch, env, said):
+    from psgrad import startup
+
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert startup.rank_said("failed") == said
+
+
 @pytest.mark.parametrize("where", ["parsing", "sentinel", "wrapped"])
 def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
     """A rank of a multi-rank launch that gets Ctrl-C while click parses its options, while it
@@ -568,12 +588,12 @@ def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
     script = f"import os, signal\n{patch}\nfrom psgrad.entry import main\nmain()"
     proc = subprocess.run(
         [sys.executable, "-c", script, "train", "--model", "mlp", "--steps", "1"],
-        env={**os.environ, "PMI_SIZE": "3"}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PMI_SIZE": "3", "PMI_RANK": "1"}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
     assert "Aborted!" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    if where != "parsing":  # psgrad's own handling from the command's start: it says so
-        assert "[psgrad] interrupted while starting or ending" in proc.stderr, proc.stderr[-3000:]
+    if where != "parsing":  # psgrad's own handling from the command's start: it says so, naming the rank
+        assert "[psgrad rank 1] interrupted while starting or ending" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("error", ["RuntimeError", "click.ClickException"])
@@ -608,7 +628,8 @@ def test_a_rank_that_fails_before_mpi_starts_ends_the_job(error):
         subprocess.run(["pkill", "-KILL", "-f", "broken rank"], check=False)
     assert job.returncode != 0
     said = "Error: broken rank" if error.startswith("click") else "RuntimeError: broken rank"
-    assert said in err and "this rank failed while starting or ending" in err, err[-3000:]
+    # the rank is named: under mpiexec the three ranks' lines share one stream
+    assert said in err and "[psgrad rank 2] failed while starting or ending" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
