@@ -124,16 +124,19 @@ def ignore_further_stops() -> None:
 
 def launched_ranks() -> int:
     """How many ranks the MPI launcher started, from its environment (no MPI initialisation)."""
-    for name in _SIZE_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
+    size = _from_launcher(_SIZE_VARIABLES)
+    return 1 if size is None else size
 
 
 def launched_rank() -> int | None:
     """This process's rank as the MPI launcher set it in the environment (no MPI initialisation),
     or None when no launcher did."""
-    for name in _RANK_VARIABLES:
+    return _from_launcher(_RANK_VARIABLES)
+
+
+def _from_launcher(names: tuple[str, ...]) -> int | None:
+    """The first of the environment variables ``names`` that holds a number, as a number."""
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return None

@@ -556,7 +556,7 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
 def test_a_line_printed_before_mpi_names_the_launchers_rank(monkeypatch, env, said):
     from psgrad import startup
 
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for name in startup._RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
