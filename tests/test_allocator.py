@@ -41,8 +41,10 @@ def test_freed_buffers_are_reused_instead_of_faulted_in_every_step():
     system_state, system = _faults({"PSGRAD_MALLOC": "system"})
     assert kept_state == "freed memory is kept"
     assert system_state == "left as it is: PSGRAD_MALLOC=system"
-    # 20 rounds of 40 MiB are about 200,000 faults of 4 KiB pages with the defaults
-    assert system > 100_000, system
+    # 20 rounds of 40 MiB fault in 800 MiB afresh with the defaults: 204,800 faults of 4 KiB pages,
+    # fewer where the kernel faults anonymous memory in larger folios (a 6.18 kernel with 16 KiB
+    # ones "always": 52,480). At least one fault per 2 MiB (the largest folio) every round:
+    assert system >= 20 * (40 << 20) // (2 << 20), system
     assert kept < system / 20, (kept, system)
 
 
