@@ -146,7 +146,9 @@ class _Commands(click.Group):
 
 EXIT_STATUS = (
     "Exit status: 0 when the command did its work; 1 when it failed (the failing rank printed its error); 2 for a "
-    "usage error, settings the ranks do not agree on or unreadable data (said once, before the first step); 130 "
+    "usage error (an option set to a value of its own where the run would not use it is one: --depth with --model "
+    "mlp, --staleness without --mode async), settings the ranks do not agree on or unreadable data (said once, "
+    "before the first step); 130 "
     "after Ctrl-C and 143 after SIGTERM (each rank said what it was doing, rank 0 which checkpoint resumes the run). "
     "A rank killed outright (SIGKILL, a crash), or one that failed before MPI started (it prints its error, then ends "
     "itself by SIGTERM so that the job ends), ends mpiexec with a status of its own."

@@ -10,7 +10,7 @@ import click
 
 from . import checkpoint
 from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
-from .comm.layout import TOPOLOGIES
+from .comm.layout import LAYOUTS, TOPOLOGIES
 from .config import RunConfig
 
 _DEFAULTS = RunConfig()
@@ -40,13 +40,13 @@ RUN_OPTIONS = [
         "--data-dir",
         "data_dir",
         click.Path(file_okay=False),
-        "Directory with the CIFAR python archives (extracted or .tar.gz).",
+        "--dataset cifar10 or cifar100: directory with the CIFAR python archives (extracted or .tar.gz).",
     ),
     (
         "--synthetic-classes",
         "synthetic_classes",
         click.Choice(["10", "100"]),
-        "Only --dataset synthetic: its number of classes.",
+        "Only --dataset synthetic or proxy: its number of classes.",
     ),
     (
         "--synthetic-size",
@@ -167,7 +167,12 @@ RUN_OPTIONS = [
     ("--batch-size", "batch_size", click.IntRange(min=1), "Batch size per worker."),
     ("--steps", "steps", click.IntRange(min=1), "Training steps (overrides --epochs)."),
     ("--epochs", "epochs", click.FloatRange(min=0, min_open=True), "Training epochs (of each worker's shard)."),
-    ("--servers", "servers", click.IntRange(min=1), "Server ranks (0..S-1); layers are sharded over them by size."),
+    (
+        "--servers",
+        "servers",
+        click.IntRange(min=1),
+        "--topology ps: server ranks (0..S-1); layers are sharded over them by size.",
+    ),
     (
         "--mode",
         "mode",
@@ -187,7 +192,7 @@ RUN_OPTIONS = [
         "--consensus-step",
         "consensus_step",
         click.FloatRange(0, 1, min_open=True),
-        "ring: gamma of CHOCO-SGD's consensus step x += gamma sum_j w_ij (x_hat_j - x_hat_i); 1 with codec none "
+        "ring or torus: gamma of CHOCO-SGD's consensus step x += gamma sum_j w_ij (x_hat_j - x_hat_i); 1 with codec none "
         "is exact gossip averaging, lossy codecs need less (docs/training.md).",
     ),
     (
@@ -201,7 +206,7 @@ RUN_OPTIONS = [
         "--consensus-every",
         "consensus_every",
         click.IntRange(min=0),
-        "ring: log the consensus distance (1/N) sum ||x_i - x_mean||^2 in metrics.csv every N steps and at the "
+        "ring or torus: log the consensus distance (1/N) sum ||x_i - x_mean||^2 in metrics.csv every N steps and at the "
         "last (one allreduce of the model each time; 0: never).",
     ),
     (
@@ -395,6 +400,7 @@ def run_settings(options: dict) -> RunConfig:
     2. Else ``--resume D`` (or ``D/ckpt-stepN``): the settings of the run in D (its config.json),
        so that ``--resume D --steps 40`` continues that run as it was, for longer.
     3. A resumed run logs on into D unless ``--log-dir`` says otherwise.
+    4. An option the command line gave that means nothing to the run is refused (``refuse_unused``).
     """
     options = dict(options)
     config_path = options.pop("config_path", None)
@@ -402,7 +408,12 @@ def run_settings(options: dict) -> RunConfig:
     merged = with_config(options, config_path or resumed)
     if resumed is not None and not _on_command_line("log_dir"):
         merged["log_dir"] = str(resumed)
-    return config_from(merged)
+    cfg = config_from(merged)
+    try:
+        refuse_unused([name for name in merged if _on_command_line(name)], cfg)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    return cfg
 
 
 def config_from(options: dict) -> RunConfig:
@@ -412,6 +423,48 @@ def config_from(options: dict) -> RunConfig:
         return RunConfig(**options).validate()
     except ValueError as err:
         raise click.UsageError(str(err)) from None
+
+
+def unused_option(name: str, cfg: RunConfig) -> str | None:
+    """Why the run option of field ``name`` has no effect on the run ``cfg``, or None when it has one."""
+    flag = "--" + name.replace("_", "-")
+    if name in ("depth", "widen_factor", "dropout") and cfg.model != "wrn":
+        return f"{flag} shapes a WideResNet: it means nothing to --model {cfg.model}"
+    if name.startswith("dgc_") and cfg.feedback != "dgc":
+        return f"{flag} is DGC's: it means nothing without --feedback dgc (this run has --feedback {cfg.feedback})"
+    if name == "dgc_warmup_epochs":
+        from .codecs import make_codec  # torch: not needed to build the command line
+
+        if "ratio" not in make_codec(cfg.codec).params:
+            return (
+                f"--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec {cfg.codec} has none "
+                "(topk and randomk have one)"
+            )
+    if name in ("consensus_step", "consensus_every") and LAYOUTS[cfg.topology] != "gossip":
+        return f"{flag} is CHOCO-SGD's: it means nothing to --topology {cfg.topology} (use --topology ring or torus)"
+    if name == "staleness" and cfg.mode != "async":
+        return "--staleness bounds how far --mode async lets a worker run ahead: it means nothing to --mode sync"
+    if name == "servers" and cfg.topology != "ps":
+        return "--servers counts the server ranks of --topology ps: " + (
+            "every rank serves a shard under colocated" if cfg.topology == "colocated" else f"{cfg.topology} has none"
+        )
+    if name in ("lr_milestones", "lr_decay") and cfg.schedule != "multistep":
+        return f"{flag} shapes --schedule multistep: it means nothing to --schedule {cfg.schedule}"
+    if name in ("synthetic_classes", "synthetic_size") and cfg.dataset not in ("synthetic", "proxy"):
+        return f"{flag} shapes a generated dataset (synthetic or proxy): it means nothing to --dataset {cfg.dataset}"
+    if name == "data_dir" and cfg.dataset not in ("cifar10", "cifar100"):
+        return f"--data-dir holds the CIFAR archives: --dataset {cfg.dataset} is generated, not read"
+    return None
+
+
+def refuse_unused(given: list[str], cfg: RunConfig) -> None:
+    """Raise ValueError naming the first of the run options ``given`` (field names) that sets a
+    value other than its default and has no effect on ``cfg``: silently ignored, it would leave the
+    user believing the run used it. An option left at its default stays quiet (a script may pass
+    every option every time)."""
+    for name in given:
+        if getattr(cfg, name) != getattr(_DEFAULTS, name) and (why := unused_option(name, cfg)) is not None:
+            raise ValueError(why)
 
 
 @click.command()

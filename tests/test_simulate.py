@@ -373,6 +373,60 @@ def test_a_grid_without_a_torus_is_refused():
     assert done.exit_code == 2 and "shapes a torus" in done.output, done.output
 
 
+UNUSED = [  # (options, what is said): each option was silently ignored by such a run
+    (["--model", "mlp", "--depth", "28"], "--depth shapes a WideResNet: it means nothing to --model mlp"),
+    (["--model", "mlp", "--dropout", "0.3"], "--dropout shapes a WideResNet"),
+    (["--dgc-momentum", "0.5"], "--dgc-momentum is DGC's: it means nothing without --feedback dgc"),
+    (
+        ["--codec", "threshold:v=0.01", "--feedback", "dgc", "--momentum", "0", "--dgc-warmup-epochs", "2"],
+        "--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec threshold:v=0.01 has none",
+    ),
+    (["--consensus-step", "0.3"], "--consensus-step is CHOCO-SGD's: it means nothing to --topology ps"),
+    (["--topology", "alltoall", "--consensus-every", "5"], "--consensus-every is CHOCO-SGD's"),
+    (["--staleness", "2"], "--staleness bounds how far --mode async lets a worker run ahead"),
+    (["--topology", "colocated", "--servers", "2"], "every rank serves a shard under colocated"),
+    (["--topology", "ring", "--servers", "2"], "--servers counts the server ranks of --topology ps: ring has none"),
+    (["--schedule", "cosine", "--lr-decay", "0.5"], "--lr-decay shapes --schedule multistep"),
+    (
+        ["--lr-milestones", "10,20"],
+        "--lr-milestones shapes --schedule multistep: it means nothing to --schedule constant",
+    ),
+    (["--data-dir", "elsewhere"], "--data-dir holds the CIFAR archives: --dataset synthetic is generated"),
+]
+
+
+@pytest.mark.parametrize("options,said", UNUSED)
+def test_an_option_that_means_nothing_to_the_run_is_refused(options, said):
+    base = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*base, *options])
+    assert done.exit_code == 2 and said in done.output, done.output
+    assert "done:" not in done.output
+
+
+def test_an_option_left_at_its_default_or_taken_from_a_config_is_not_refused(tmp_path):
+    """Only what the command line sets, to a value of its own, is refused: a script may pass every
+    option every time, and a logged WideResNet run rerun as an MLP carries its depth along."""
+    from psgrad.options import refuse_unused
+
+    refuse_unused(["depth", "staleness", "servers"], RunConfig(model="mlp", depth=16, topology="ring"))
+    refuse_unused(["staleness", "consensus_step"], RunConfig(mode="async", staleness=2).validate())
+    (tmp_path / "config.json").write_text(RunConfig(depth=10, widen_factor=1, staleness=3).to_json())
+    # past the settings, the torus's grid must fit the workers: the error that says refuse_unused let it by
+    too_few = ["--topology", "torus", "--grid", "2x3", "--workers", "4", "--no-progress"]
+    for options in (["--config", str(tmp_path), "--model", "mlp"], ["--model", "mlp", "--depth", "16"]):
+        done = CliRunner().invoke(main, ["simulate", *too_few, *options])
+        assert done.exit_code == 2 and "simulate --workers 6" in done.output, done.output
+
+
+def test_a_bench_row_with_an_option_that_means_nothing_to_it_is_refused():
+    from psgrad.bench.launcher import item_config
+
+    with pytest.raises(ValueError, match="--dgc-momentum is DGC's"):
+        item_config("sign --dgc-momentum 0.5", RunConfig())
+    _, row = item_config("topk:ratio=0.01 --feedback dgc --momentum 0 --dgc-momentum 0.5", RunConfig())
+    assert row.dgc_momentum == 0.5 and row.feedback == "dgc"
+
+
 def test_a_failing_rank_ends_every_rank_with_its_own_error():
     class Boom(RuntimeError):
         pass
@@ -680,7 +734,7 @@ def test_simulate_starts_no_mpi(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MPI started: False" in proc.stdout, proc.stdout
     cli = [sys.executable, "-m", "psgrad", "simulate", "--workers", "2", "--model", "mlp", "--steps", "2"]
-    proc = run_bounded([*cli, "--no-progress", "--data-dir", str(tmp_path)], timeout=120, env={"UCX_TLS": "bogus"})
+    proc = run_bounded([*cli, "--no-progress"], timeout=120, env={"UCX_TLS": "bogus"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 2 steps" in proc.stderr + proc.stdout
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from ..comm.layout import LAYOUTS, RankLayout
 from ..comm.protocol import TIME_KEYS
 from ..config import RunConfig
-from ..options import option_overrides
+from ..options import option_overrides, refuse_unused
 from ..startup import stop_reason
 from .baselines import BASELINES
 from .netshape import mpiexec_banner
@@ -129,7 +129,9 @@ def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     overrides = option_overrides(rest) if rest else {}
     if head not in BASELINES:
         overrides["codec"] = head
-    return head, replace(cfg, **overrides).validate()
+    run = replace(cfg, **overrides).validate()
+    refuse_unused([name for name in overrides if name != "codec"], run)
+    return head, run
 
 
 def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
