@@ -273,7 +273,8 @@ RUN_OPTIONS = [
         "--checkpoint-every",
         "checkpoint_every",
         click.IntRange(min=0),
-        "Write a checkpoint every N steps (0: never); with --log-dir the last step always writes one, and model.pt.",
+        "Write a checkpoint every N steps (0: never), into --log-dir (without one, into ./checkpoints); with "
+        "--log-dir the last step always writes one, and model.pt.",
     ),
     (
         "--overwrite/--no-overwrite",
@@ -448,6 +449,8 @@ def unused_option(name: str, cfg: RunConfig) -> str | None:
         return "--servers counts the server ranks of --topology ps: " + (
             "every rank serves a shard under colocated" if cfg.topology == "colocated" else f"{cfg.topology} has none"
         )
+    if name in ("momentum", "nesterov") and cfg.optimizer != "sgd":
+        return f"{flag} is SGD's: --optimizer {cfg.optimizer} keeps moments of its own (betas 0.9, 0.999)"
     if name in ("lr_milestones", "lr_decay") and cfg.schedule != "multistep":
         return f"{flag} shapes --schedule multistep: it means nothing to --schedule {cfg.schedule}"
     if name in ("synthetic_classes", "synthetic_size") and cfg.dataset not in ("synthetic", "proxy"):

@@ -386,6 +386,8 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
     (["--staleness", "2"], "--staleness bounds how far --mode async lets a worker run ahead"),
     (["--topology", "colocated", "--servers", "2"], "every rank serves a shard under colocated"),
     (["--topology", "ring", "--servers", "2"], "--servers counts the server ranks of --topology ps: ring has none"),
+    (["--optimizer", "adam", "--nesterov"], "--nesterov is SGD's: --optimizer adam keeps moments of its own"),
+    (["--optimizer", "adam", "--momentum", "0.5"], "--momentum is SGD's"),
     (["--schedule", "cosine", "--lr-decay", "0.5"], "--lr-decay shapes --schedule multistep"),
     (
         ["--lr-milestones", "10,20"],
@@ -401,6 +403,14 @@ def test_an_option_that_means_nothing_to_the_run_is_refused(options, said):
     done = CliRunner().invoke(main, [*base, *options])
     assert done.exit_code == 2 and said in done.output, done.output
     assert "done:" not in done.output
+
+
+def test_nesterov_without_momentum_is_a_usage_error():
+    """It was a ValueError with a traceback from the server's optimizer, after the ranks started."""
+    base = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress"]
+    done = CliRunner().invoke(main, [*base, "--nesterov", "--momentum", "0"])
+    assert done.exit_code == 2 and "--nesterov is a kind of momentum: it needs --momentum > 0" in done.output
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
 
 
 def test_an_option_left_at_its_default_or_taken_from_a_config_is_not_refused(tmp_path):
