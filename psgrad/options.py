@@ -441,6 +441,10 @@ def unused_option(name: str, cfg: RunConfig) -> str | None:
                 f"--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec {cfg.codec} has none "
                 "(topk and randomk have one)"
             )
+    if name == "bucket_vectors" and cfg.granularity == "model":
+        return (
+            "--no-bucket-vectors is for --granularity layer: --granularity model sends the whole model as one message"
+        )
     if name in ("consensus_step", "consensus_every") and LAYOUTS[cfg.topology] != "gossip":
         return f"{flag} is CHOCO-SGD's: it means nothing to --topology {cfg.topology} (use --topology ring or torus)"
     if name == "staleness" and cfg.mode != "async":
