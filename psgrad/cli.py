@@ -18,7 +18,7 @@ import click
 
 from .chain import stop_behind
 from .choices import MODEL_NAMES
-from .options import SectionedCommand, config_from, config_option, run_options, run_settings
+from .options import SectionedCommand, config_from, config_option, on_command_line, run_options, run_settings
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -266,6 +266,17 @@ def codecs(
 
     if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
         raise click.BadParameter(problem, param_hint="--depth")
+    given = [name for name in ("sizes", "depth", "widen_factor", "classes") if on_command_line(name)]
+    if model is not None and "sizes" in given:
+        raise click.UsageError("--sizes and --model are two ways to say what to code: give one")
+    for name in given:
+        flag = "--" + name.replace("_", "-")
+        if name in ("depth", "widen_factor") and model != "wrn":
+            raise click.UsageError(
+                f"{flag} shapes a WideResNet: it means nothing {f'to --model {model}' if model else 'without --model wrn'}"
+            )
+        if name == "classes" and model is None:
+            raise click.UsageError("--classes sizes the output layer of --model: it means nothing without one")
     torch.set_num_threads(threads)
     keep_freed_memory()
     if model is not None:

@@ -383,12 +383,13 @@ def with_config(options: dict, config_path: str | None) -> dict:
         saved.pop(key, None)
     merged = dict(options)
     for key, value in saved.items():
-        if key in merged and not _on_command_line(key):
+        if key in merged and not on_command_line(key):
             merged[key] = value
     return merged
 
 
-def _on_command_line(name: str) -> bool:
+def on_command_line(name: str) -> bool:
+    """Whether the current command's command line gave the option of parameter ``name``."""
     from click.core import ParameterSource
 
     return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
@@ -407,11 +408,11 @@ def run_settings(options: dict) -> RunConfig:
     config_path = options.pop("config_path", None)
     resumed = checkpoint.run_dir(options.get("resume"))
     merged = with_config(options, config_path or resumed)
-    if resumed is not None and not _on_command_line("log_dir"):
+    if resumed is not None and not on_command_line("log_dir"):
         merged["log_dir"] = str(resumed)
     cfg = config_from(merged)
     try:
-        refuse_unused([name for name in merged if _on_command_line(name)], cfg)
+        refuse_unused([name for name in merged if on_command_line(name)], cfg)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     return cfg

@@ -351,6 +351,15 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     assert row["size"] == 275_572 and row["tensors"] == 59
     bad = runner.invoke(main, ["codecs", "--sizes", "4X"])
     assert bad.exit_code == 2 and "expected a size like" in bad.output
+    # what the chosen way of coding would ignore is refused (each was ignored without a word)
+    for options, said in [
+        (["--model", "mlp", "--sizes", "1K"], "--sizes and --model are two ways to say what to code: give one"),
+        (["--depth", "16"], "--depth shapes a WideResNet: it means nothing without --model wrn"),
+        (["--model", "resnet20", "--widen-factor", "2"], "--widen-factor shapes a WideResNet: it means nothing to"),
+        (["--classes", "10"], "--classes sizes the output layer of --model: it means nothing without one"),
+    ]:
+        refused = runner.invoke(main, ["codecs", "--repeat", "1", "--codecs", "none", *options])
+        assert refused.exit_code == 2 and said in refused.output, refused.output
 
 
 def test_bench_table_is_narrow_by_default_with_a_legend():
