@@ -165,6 +165,10 @@ def test_bad_bench_options(tmp_path):
     assert proc.returncode == 2 and "unknown baseline" in proc.stderr
     proc = _launcher(["--bandwidth", "fast"])
     assert proc.returncode == 2 and "100mbit" in proc.stderr
+    proc = _launcher(["--powersgd-rank", "4"])  # it was ignored without a word
+    assert proc.returncode == 2 and "--powersgd-rank is the ddp-powersgd baseline's" in proc.stderr
+    proc = _launcher(["--codecs", "sign --dgc-momentum 0.5"])  # a row's own option that means nothing to it
+    assert proc.returncode == 2 and "--dgc-momentum is DGC's" in proc.stderr
     for empty in ("", " ; "):  # it was a ValueError traceback from max() over no rows
         proc = _launcher(["--codecs", empty])
         assert proc.returncode == 2 and "no rows to measure" in proc.stderr and "Traceback" not in proc.stderr
