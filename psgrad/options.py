@@ -442,6 +442,11 @@ def unused_option(name: str, cfg: RunConfig) -> str | None:
                 f"--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec {cfg.codec} has none "
                 "(topk and randomk have one)"
             )
+    if name == "down_codec" and LAYOUTS[cfg.topology] == "peers":
+        return (
+            f"--down-codec codes the servers' replies: --topology {cfg.topology} has no servers (each rank decodes "
+            "every other rank's gradient)"
+        )
     if name == "bucket_vectors" and cfg.granularity == "model":
         return (
             "--no-bucket-vectors is for --granularity layer: --granularity model sends the whole model as one message"

@@ -381,6 +381,7 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
         ["--codec", "threshold:v=0.01", "--feedback", "dgc", "--momentum", "0", "--dgc-warmup-epochs", "2"],
         "--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec threshold:v=0.01 has none",
     ),
+    (["--topology", "alltoall", "--down-codec", "qsgd:levels=4"], "--topology alltoall has no servers"),
     (["--granularity", "model", "--no-bucket-vectors"], "--no-bucket-vectors is for --granularity layer"),
     (["--consensus-step", "0.3"], "--consensus-step is CHOCO-SGD's: it means nothing to --topology ps"),
     (["--topology", "alltoall", "--consensus-every", "5"], "--consensus-every is CHOCO-SGD's"),
