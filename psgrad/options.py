@@ -459,8 +459,10 @@ def unused_option(name: str, cfg: RunConfig) -> str | None:
         return "--servers counts the server ranks of --topology ps: " + (
             "every rank serves a shard under colocated" if cfg.topology == "colocated" else f"{cfg.topology} has none"
         )
-    if name in ("momentum", "nesterov") and cfg.optimizer != "sgd":
-        return f"{flag} is SGD's: --optimizer {cfg.optimizer} keeps moments of its own (betas 0.9, 0.999)"
+    if name == "momentum" and cfg.optimizer != "sgd":
+        return f"{flag} is SGD's: --optimizer {cfg.optimizer} keeps moments of its own"
+    if name == "nesterov" and cfg.optimizer != "sgd" and cfg.feedback != "dgc":  # DGC's momentum correction uses it
+        return f"{flag} is SGD's (and DGC's): --optimizer {cfg.optimizer} keeps moments of its own"
     if name in ("lr_milestones", "lr_decay") and cfg.schedule != "multistep":
         return f"{flag} shapes --schedule multistep: it means nothing to --schedule {cfg.schedule}"
     if name in ("synthetic_classes", "synthetic_size") and cfg.dataset not in ("synthetic", "proxy"):

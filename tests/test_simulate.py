@@ -388,7 +388,10 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
     (["--staleness", "2"], "--staleness bounds how far --mode async lets a worker run ahead"),
     (["--topology", "colocated", "--servers", "2"], "every rank serves a shard under colocated"),
     (["--topology", "ring", "--servers", "2"], "--servers counts the server ranks of --topology ps: ring has none"),
-    (["--optimizer", "adam", "--nesterov"], "--nesterov is SGD's: --optimizer adam keeps moments of its own"),
+    (
+        ["--optimizer", "adam", "--nesterov"],
+        "--nesterov is SGD's (and DGC's): --optimizer adam keeps moments of its own",
+    ),
     (["--optimizer", "adam", "--momentum", "0.5"], "--momentum is SGD's"),
     (["--schedule", "cosine", "--lr-decay", "0.5"], "--lr-decay shapes --schedule multistep"),
     (
@@ -422,6 +425,8 @@ def test_an_option_left_at_its_default_or_taken_from_a_config_is_not_refused(tmp
 
     refuse_unused(["depth", "staleness", "servers"], RunConfig(model="mlp", depth=16, topology="ring"))
     refuse_unused(["staleness", "consensus_step"], RunConfig(mode="async", staleness=2).validate())
+    # DGC's momentum correction takes --nesterov whatever the server's optimizer
+    refuse_unused(["nesterov"], RunConfig(optimizer="adam", feedback="dgc", codec="topk:ratio=0.01", nesterov=True))
     (tmp_path / "config.json").write_text(RunConfig(depth=10, widen_factor=1, staleness=3).to_json())
     # past the settings, the torus's grid must fit the workers: the error that says refuse_unused let it by
     too_few = ["--topology", "torus", "--grid", "2x3", "--workers", "4", "--no-progress"]
