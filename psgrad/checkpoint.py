@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from .chain import error_chain, stop_behind
+from .choices import option_flag
 
 if TYPE_CHECKING:  # torch is imported where files are written or read: the command line finds runs without it
     import torch
@@ -193,7 +194,7 @@ def changed_settings(resume: str | Path, settings: dict) -> list[str]:
     for key, value in settings.items():
         value = json.loads(json.dumps(value))  # as config.json holds it (tuples as lists)
         if key not in _FREE_ON_RESUME and key in saved and saved[key] != value:
-            changed.append(f"--{key.replace('_', '-')} {saved[key]} -> {value}")
+            changed.append(f"{option_flag(key)} {saved[key]} -> {value}")
     return changed
 
 

@@ -13,6 +13,11 @@ MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 NONFINITE_POLICIES = ("abort", "skip")
 
 
+def option_flag(name: str) -> str:
+    """The command-line flag of the setting ``name`` (a RunConfig field or parameter): ``--widen-factor``."""
+    return "--" + name.replace("_", "-")
+
+
 def wrn_depth_problem(depth: int) -> str | None:
     """Why ``depth`` is not a WideResNet depth (6n+4, n >= 1: 10, 16, 22, 28, 40, ...), or None."""
     if depth >= 10 and (depth - 4) % 6 == 0:

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from .chain import stop_behind
-from .choices import MODEL_NAMES
+from .choices import MODEL_NAMES, option_flag
 from .options import SectionedCommand, config_from, config_option, on_command_line, run_options, run_settings
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
@@ -270,7 +270,7 @@ def codecs(
     if model is not None and "sizes" in given:
         raise click.UsageError("--sizes and --model are two ways to say what to code: give one")
     for name in given:
-        flag = "--" + name.replace("_", "-")
+        flag = option_flag(name)
         if name in ("depth", "widen_factor") and model != "wrn":
             raise click.UsageError(
                 f"{flag} shapes a WideResNet: it means nothing {f'to --model {model}' if model else 'without --model wrn'}"

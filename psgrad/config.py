@@ -8,7 +8,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import checkpoint
-from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES, wrn_depth_problem
+from .choices import (
+    DATASETS,
+    FEEDBACKS,
+    MEMORY_FORMATS,
+    MODEL_NAMES,
+    NONFINITE_POLICIES,
+    option_flag,
+    wrn_depth_problem,
+)
 from .comm.layout import LAYOUTS, TOPOLOGIES, parse_grid
 
 
@@ -106,7 +114,7 @@ class RunConfig:
             try:
                 make_codec(getattr(self, spec_field))
             except ValueError as err:
-                raise ValueError(f"--{spec_field.replace('_', '-')}: {err}") from None
+                raise ValueError(f"{option_flag(spec_field)}: {err}") from None
         need(self.feedback in FEEDBACKS, f"--feedback must be one of {FEEDBACKS}, got {self.feedback!r}")
         need(
             self.feedback == "none" or make_codec(self.codec).feedback_safe,

@@ -67,6 +67,12 @@ class ErrorFeedback(NoFeedback):
         self.residuals = {k.removeprefix("residual/"): v.clone() for k, v in state.items()}
 
 
+def warms_up(codec: Codec) -> bool:
+    """Whether DGC's sparsity warm-up (``--dgc-warmup-epochs``) applies to ``codec``: it raises the
+    codec's ``ratio``, so only a codec with one (topk, randomk)."""
+    return "ratio" in codec.params
+
+
 def dgc_sparsity(epoch: int, warmup_epochs: int, final: float = 0.999) -> float:
     """DGC's exponential warm-up: 75 %, 93.75 %, 98.4 %, 99.6 %, ... then ``final``."""
     if epoch >= warmup_epochs:
@@ -107,7 +113,7 @@ class DGCMemory(NoFeedback):
         self.velocities: dict[str, torch.Tensor] = {}
 
     def _codec_at(self, epoch: int) -> Codec:
-        if self.warmup_epochs <= 0 or "ratio" not in self.base_codec.params:
+        if self.warmup_epochs <= 0 or not warms_up(self.base_codec):
             return self.base_codec
         final = 1.0 - float(self.base_codec.params["ratio"])
         ratio = 1.0 - dgc_sparsity(epoch, self.warmup_epochs, final)

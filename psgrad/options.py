@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import checkpoint
-from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES
+from .choices import DATASETS, FEEDBACKS, MEMORY_FORMATS, MODEL_NAMES, NONFINITE_POLICIES, option_flag
 from .comm.layout import LAYOUTS, TOPOLOGIES
 from .config import RunConfig
 
@@ -429,15 +429,16 @@ def config_from(options: dict) -> RunConfig:
 
 def unused_option(name: str, cfg: RunConfig) -> str | None:
     """Why the run option of field ``name`` has no effect on the run ``cfg``, or None when it has one."""
-    flag = "--" + name.replace("_", "-")
+    flag = option_flag(name)
     if name in ("depth", "widen_factor", "dropout") and cfg.model != "wrn":
         return f"{flag} shapes a WideResNet: it means nothing to --model {cfg.model}"
     if name.startswith("dgc_") and cfg.feedback != "dgc":
         return f"{flag} is DGC's: it means nothing without --feedback dgc (this run has --feedback {cfg.feedback})"
     if name == "dgc_warmup_epochs":
         from .codecs import make_codec  # torch: not needed to build the command line
+        from .feedback import warms_up
 
-        if "ratio" not in make_codec(cfg.codec).params:
+        if not warms_up(make_codec(cfg.codec)):
             return (
                 f"--dgc-warmup-epochs raises the codec's ratio epoch by epoch: --codec {cfg.codec} has none "
                 "(topk and randomk have one)"

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from .choices import option_flag
+
 if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
     from .comm.transport import Transport
     from .config import RunConfig
@@ -159,14 +161,10 @@ def _first(transport: Transport, mine: bool) -> int | None:
     return next((rank for rank, flag in enumerate(total) if flag), None)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def config_difference(mine: dict, theirs: dict) -> list[str]:
     """One ``--option: value here, value on rank 0`` entry per differing run setting."""
     return [
-        f"{_flag(key)} {mine.get(key)!r} here, {theirs.get(key)!r} on rank 0"
+        f"{option_flag(key)} {mine.get(key)!r} here, {theirs.get(key)!r} on rank 0"
         for key in sorted(set(mine) | set(theirs))
         if key not in PER_RANK and mine.get(key) != theirs.get(key)
     ]
