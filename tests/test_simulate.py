@@ -145,7 +145,12 @@ def test_stacked_groups_side_by_side_train_as_unstacked(topology, monkeypatch):
         eval_every=0,
     )  # fmt: skip
     grouped = simulate(cfg, 3, cores=2, stack=True)
-    assert sorted(ran_on) == sorted([("MainThread", 2), ("psgrad-stacked_0", 1)] * 3), ran_on
+    # every step two groups, 2 + 1; they run side by side when the closing worker finds the other
+    # core free (``borrow_cores`` does not wait: a server still holding it makes that step's passes
+    # run one after another on the serving thread, as CI saw once)
+    assert sorted(size for _, size in ran_on) == [1, 1, 1, 2, 2, 2], ran_on
+    assert ("MainThread", 2) in ran_on and ("psgrad-stacked_0", 1) in ran_on, ran_on
+    assert ("psgrad-stacked_0", 2) not in ran_on, ran_on  # the helper only ever runs the second group
     plain = simulate(cfg, 3, cores=2, stack=False)
     rank = len(grouped) - 1
     assert [r["loss"] for r in grouped[0].rows] == pytest.approx([r["loss"] for r in plain[0].rows], rel=1e-5)
