@@ -217,7 +217,13 @@ class RunConfig:
         )
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
-        need(not self.nesterov or self.momentum > 0, "--nesterov is a kind of momentum: it needs --momentum > 0")
+        if self.feedback == "dgc":  # the flag is DGC's momentum correction's, on the workers
+            need(
+                not self.nesterov or self.dgc_momentum > 0,
+                "--nesterov is a kind of momentum: it needs --dgc-momentum > 0",
+            )
+        else:
+            need(not self.nesterov or self.momentum > 0, "--nesterov is a kind of momentum: it needs --momentum > 0")
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
@@ -250,6 +256,13 @@ class RunConfig:
             "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD",
         )
         return self
+
+    @property
+    def sgd_nesterov(self) -> bool:
+        """Whether the SGD that applies updates (the server's, or every rank's) uses Nesterov
+        momentum: ``--nesterov``, unless ``--feedback dgc`` takes it for its momentum correction on
+        the workers (DGC runs the server's SGD without momentum)."""
+        return self.nesterov and self.feedback != "dgc"
 
     @property
     def synthetic_samples(self) -> int:

@@ -40,7 +40,7 @@ class LayerOptimizer:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LayerOptimizer:
-        return cls(cfg.optimizer, cfg.momentum, cfg.nesterov, cfg.weight_decay)
+        return cls(cfg.optimizer, cfg.momentum, cfg.sgd_nesterov, cfg.weight_decay)
 
     def step(self, key: str, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """One update of ``param`` with ``grad``.

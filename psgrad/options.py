@@ -152,7 +152,13 @@ RUN_OPTIONS = [
     ("--optimizer", "optimizer", click.Choice(["sgd", "adam"]), "Server-side optimizer."),
     ("--lr", "lr", click.FloatRange(min=0, min_open=True), "Learning rate."),
     ("--momentum", "momentum", click.FloatRange(0, 1, max_open=True), "SGD momentum (server side)."),
-    ("--nesterov/--no-nesterov", "nesterov", None, "Nesterov momentum."),
+    (
+        "--nesterov/--no-nesterov",
+        "nesterov",
+        None,
+        "Nesterov momentum: the server's SGD's, or with --feedback dgc, DGC's momentum correction on the workers "
+        "(--dgc-momentum).",
+    ),
     ("--weight-decay", "weight_decay", click.FloatRange(min=0), "L2 weight decay."),
     ("--schedule", "schedule", click.Choice(["constant", "multistep", "cosine"]), "Learning-rate schedule."),
     ("--lr-milestones", "lr_milestones", None, "multistep: epochs at which the LR is multiplied by --lr-decay."),

@@ -790,3 +790,32 @@ def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(
     assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
     hint = f"the newest complete checkpoint is {checkpoint.resolve(log)}: continue the run with --resume {log}"
     assert hint in proc.stderr, proc.stderr[-3000:]
+
+
+def test_dgc_takes_nesterov_with_the_server_at_momentum_zero():
+    """DGC keeps the momentum on the workers and needs the server's SGD at --momentum 0, so the
+    Nesterov form of its correction was refused ("needs --momentum > 0") before any rank started."""
+    from psgrad.optim import LayerOptimizer
+
+    cfg = RunConfig(codec="topk:ratio=0.25", feedback="dgc", momentum=0.0, nesterov=True).validate()
+    assert cfg.sgd_nesterov is False and LayerOptimizer.from_config(cfg).nesterov is False
+    with pytest.raises(ValueError, match="needs --dgc-momentum > 0"):
+        RunConfig(codec="topk:ratio=0.25", feedback="dgc", momentum=0.0, dgc_momentum=0.0, nesterov=True).validate()
+    base = [
+        "simulate",
+        "--workers",
+        "2",
+        "--model",
+        "mlp",
+        "--steps",
+        "2",
+        "--no-progress",
+        "--codec",
+        "topk:ratio=0.25",
+    ]
+    runs = {}
+    for nesterov in ("--nesterov", "--no-nesterov"):
+        done = CliRunner().invoke(main, [*base, "--feedback", "dgc", "--momentum", "0", nesterov])
+        assert done.exit_code == 0, done.output
+        runs[nesterov] = done.output.split("final loss ")[1].split(",")[0]
+    assert runs["--nesterov"] != runs["--no-nesterov"]  # the flag reached DGC's correction

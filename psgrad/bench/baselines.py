@@ -159,7 +159,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     def optimizer_for(m):
         return torch.optim.SGD(
-            m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+            m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.sgd_nesterov, weight_decay=cfg.weight_decay
         )
 
     if kind == "compute":
