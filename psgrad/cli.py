@@ -18,7 +18,15 @@ import click
 
 from .chain import stop_behind
 from .choices import MODEL_NAMES, option_flag
-from .options import SectionedCommand, config_from, config_option, on_command_line, run_options, run_settings
+from .options import (
+    SectionedCommand,
+    config_from,
+    config_option,
+    on_command_line,
+    run_options,
+    run_settings,
+    set_off_default,
+)
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -266,7 +274,7 @@ def codecs(
 
     if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
         raise click.BadParameter(problem, param_hint="--depth")
-    given = [name for name in ("sizes", "depth", "widen_factor", "classes") if on_command_line(name)]
+    given = [name for name in ("sizes", "depth", "widen_factor", "classes") if set_off_default(name)]
     if model is not None and "sizes" in given:
         raise click.UsageError("--sizes and --model are two ways to say what to code: give one")
     for name in given:

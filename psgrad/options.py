@@ -401,6 +401,16 @@ def on_command_line(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
 
 
+def set_off_default(name: str) -> bool:
+    """Whether the current command's command line set the option of parameter ``name`` to a value
+    other than its default (what ``refuse_unused`` refuses when the run ignores it)."""
+    ctx = click.get_current_context()
+    if not on_command_line(name):
+        return False
+    param = next(p for p in ctx.command.params if p.name == name)
+    return ctx.params[name] != param.type_cast_value(ctx, param.get_default(ctx))
+
+
 def run_settings(options: dict) -> RunConfig:
     """A training command's settings, validated (a bad one is a usage error naming it).
 

@@ -364,6 +364,11 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     ]:
         refused = runner.invoke(main, ["codecs", "--repeat", "1", "--codecs", "none", *options])
         assert refused.exit_code == 2 and said in refused.output, refused.output
+    # at its default an option is not refused, as the training commands' are not: a script may pass them all
+    kept = runner.invoke(
+        main, ["codecs", "--repeat", "1", "--codecs", "none", "--sizes", "1K", "--depth", "28", "--classes", "100"]
+    )
+    assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
 
 
 def test_bench_table_is_narrow_by_default_with_a_legend():
