@@ -628,7 +628,7 @@ def bench(
             bench_module.item_config(item, cfg)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--codecs") from None
-    if on_command_line("powersgd_rank") and "ddp-powersgd" not in baselines:
+    if set_off_default("powersgd_rank") and "ddp-powersgd" not in baselines:
         raise click.UsageError("--powersgd-rank is the ddp-powersgd baseline's: add it to --baselines")
     header = (
         f"psgrad bench: model {cfg.model}, batch {cfg.batch_size}/worker, {cfg.steps} steps after {warmup} warm-up, "
