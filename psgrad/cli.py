@@ -22,7 +22,6 @@ from .options import (
     SectionedCommand,
     config_from,
     config_option,
-    on_command_line,
     run_options,
     run_settings,
     set_off_default,
