@@ -408,7 +408,8 @@ def set_off_default(name: str) -> bool:
     if not on_command_line(name):
         return False
     param = next(p for p in ctx.command.params if p.name == name)
-    return ctx.params[name] != param.type_cast_value(ctx, param.get_default(ctx))
+    # process_value: the default as the command sees it, through the option's type and callback
+    return ctx.params[name] != param.process_value(ctx, param.get_default(ctx))
 
 
 def run_settings(options: dict) -> RunConfig:

@@ -369,6 +369,12 @@ def test_codec_report_per_size_and_per_model(tmp_path):
         main, ["codecs", "--repeat", "1", "--codecs", "none", "--sizes", "1K", "--depth", "28", "--classes", "100"]
     )
     assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
+    # --sizes at its default, spelt as the default is, is what its callback turns into sizes: not refused
+    kept = runner.invoke(
+        main,
+        ["codecs", "--repeat", "1", "--codecs", "none", "--model", "mlp", "--sizes", "256K,4M,16M", "--depth", "28"],
+    )
+    assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
 
 
 def test_bench_table_is_narrow_by_default_with_a_legend():
