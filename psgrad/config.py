@@ -217,13 +217,11 @@ class RunConfig:
         )
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.feedback == "dgc":  # the flag is DGC's momentum correction's, on the workers
-            need(
-                not self.nesterov or self.dgc_momentum > 0,
-                "--nesterov is a kind of momentum: it needs --dgc-momentum > 0",
-            )
-        else:
-            need(not self.nesterov or self.momentum > 0, "--nesterov is a kind of momentum: it needs --momentum > 0")
+        nesterovs = "dgc_momentum" if self.feedback == "dgc" else "momentum"  # DGC's correction takes the flag
+        need(
+            not self.nesterov or getattr(self, nesterovs) > 0,
+            f"--nesterov is a kind of momentum: it needs {option_flag(nesterovs)} > 0",
+        )
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
