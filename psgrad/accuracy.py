@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 
 from .codecs import make_codec, parse_spec
-from .comm.layout import LAYOUTS
 from .config import RunConfig
+from .roles import topology_of
 
 PARITY = 0.99
 """Issue #13's bar: at least 0.99x dense test accuracy at equal epochs."""
@@ -117,8 +117,7 @@ def covers(entry_spec: str, spec: str) -> bool:
 def measured(cfg: RunConfig) -> Measured | None:
     """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one
     (an entry measured on one topology holds for that topology only)."""
-    has_down_link = LAYOUTS[cfg.topology] in ("separate", "colocated")
-    down = cfg.down_codec if has_down_link else "none"
+    down = cfg.down_codec if topology_of(cfg.topology).has_servers else "none"
     return next(
         (
             m

@@ -308,9 +308,9 @@ def codecs(
 
 
 def _train(role: str | None, options: dict) -> None:
-    from .comm.layout import RankLayout, grid_places
     from .comm.sentinel import goodbyes_held, hold_goodbyes
     from .comm.transport import finalize, world_rank, world_size
+    from .roles import topology_of
     from .startup import stop_signals_raise
     from .train import run
 
@@ -318,10 +318,10 @@ def _train(role: str | None, options: dict) -> None:
     _require_data(cfg)
     _require_resumable(cfg, world_size(), lambda ranks: f"start mpiexec -n {ranks}")
     try:
-        layout = RankLayout(world_size(), cfg.servers, cfg.topology)
+        layout = topology_of(cfg.topology).rank_layout(world=world_size(), servers=cfg.servers)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    places = grid_places(cfg.topology, cfg.grid)
+    places = topology_of(cfg.topology).grid_places(cfg)
     if places is not None and places != world_size():
         raise click.UsageError(
             f"--grid {cfg.grid} has {places} places for {world_size()} ranks: start mpiexec -n {places}"

@@ -16,11 +16,8 @@ def _default(param: click.Parameter) -> str:
 
 
 def markdown() -> str:
-    """1. One section per command, in ORDER (then any other, by name), with its help text.
-    2. One table row per parameter: flags, default, help (arguments are marked positional).
-    """
+    """docs/cli.md: a title, then one section per command, in ORDER (then any other, by name)."""
     from .cli import main
-    from .options import SECTIONS, SectionedCommand, section_of
 
     lines = [
         "# Command-line reference",
@@ -31,39 +28,51 @@ def markdown() -> str:
         main.epilog or "",
     ]
     for name in [*ORDER, *sorted(set(main.commands) - set(ORDER))]:  # a new command is never left out
-        cmd = main.commands[name]
-        lines += [
-            "",
-            f"## psgrad {name}",
-            "",
-            inspect.cleandoc(cmd.help or ""),
-            "",
-            "| option | default | meaning |",
-            "|---|---|---|",
-        ]
-        sectioned = isinstance(cmd, SectionedCommand)
-        if sectioned:
-            lines[-2:] = []
-        for title in [*SECTIONS, "Options"] if sectioned else [None]:
-            params = [p for p in cmd.params if title is None or section_of(p) == title]
-            if not params:
-                continue
-            if title is not None:
-                lines += [f"### {title}", "", "| option | default | meaning |", "|---|---|---|"]
-            for param in params:
-                if isinstance(param, click.Option):
-                    flags = " / ".join(param.opts + param.secondary_opts)
-                    text = (param.help or "").replace("|", "\\|")
-                    if isinstance(param.type, click.Choice):
-                        text += " Choices: " + ", ".join(f"`{c}`" for c in param.type.choices) + "."
-                else:
-                    flags, text = param.name.upper(), "positional"
-                lines.append(f"| `{flags}` | {_default(param)} | {text} |")
-            if title is not None:
-                lines.append("")
-        if sectioned:
-            lines.pop()
+        lines += command_lines(name, main.commands[name])
     return "\n".join(lines) + "\n"
+
+
+def command_lines(name: str, cmd: click.Command) -> list[str]:
+    """The section of command ``name``.
+
+    1. Its heading and help text.
+    2. One table row per parameter: flags, default, help (arguments are marked positional); a
+       command with --help sections has one table per section, in the sections' order.
+    """
+    from .options import SECTIONS, SectionedCommand, section_of
+
+    lines = [
+        "",
+        f"## psgrad {name}",
+        "",
+        inspect.cleandoc(cmd.help or ""),
+        "",
+        "| option | default | meaning |",
+        "|---|---|---|",
+    ]
+    sectioned = isinstance(cmd, SectionedCommand)
+    if sectioned:
+        lines[-2:] = []
+    for title in [*SECTIONS, "Options"] if sectioned else [None]:
+        params = [p for p in cmd.params if title is None or section_of(p) == title]
+        if not params:
+            continue
+        if title is not None:
+            lines += [f"### {title}", "", "| option | default | meaning |", "|---|---|---|"]
+        for param in params:
+            if isinstance(param, click.Option):
+                flags = " / ".join(param.opts + param.secondary_opts)
+                text = (param.help or "").replace("|", "\\|")
+                if isinstance(param.type, click.Choice):
+                    text += " Choices: " + ", ".join(f"`{c}`" for c in param.type.choices) + "."
+            else:
+                flags, text = param.name.upper(), "positional"
+            lines.append(f"| `{flags}` | {_default(param)} | {text} |")
+        if title is not None:
+            lines.append("")
+    if sectioned:
+        lines.pop()
+    return lines
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from .metrics import MetricsLog, say
 from .models import build_model
 from .models.layout import in_layout, memory_format
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
+from .roles import topology_of
 from .startup import agree
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -144,7 +145,7 @@ class RunContext:
         """Build this rank's context (collective: every rank calls it)."""
         torch.set_num_threads(cfg.threads)
         keep_freed_memory()
-        layout = RankLayout(transport.size, cfg.servers, cfg.topology)
+        layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
         rank = transport.rank
         with _GLOBAL_RNG:
             torch.manual_seed(cfg.seed)  # same initial model on every rank
@@ -195,7 +196,7 @@ class RunContext:
         ctx._announce(model_fn is None)
         return ctx
 
-    def open_log(self) -> None:
+    def open_log(self, *, keep_all_rows: bool = False) -> None:
         """Rank 0 writes config.json and opens the metrics log (``log``). Called once the run
         starts for sure: a resume whose checkpoint did not fit must leave its log dir as it was."""
         if self.rank != 0:
@@ -211,7 +212,7 @@ class RunContext:
             f"psgrad {self.label} {cfg.topology}",
             cfg.tensorboard,
             cfg.progress,
-            keep_all_rows=bool(cfg.extra.get("keep_all_rows")),
+            keep_all_rows=keep_all_rows,
         )
 
     def _announce(self, named_model: bool) -> None:

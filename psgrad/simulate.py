@@ -33,13 +33,13 @@ from torch import nn
 
 from . import checkpoint, memory
 from .comm import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
-from .comm.layout import RankLayout, grid_places
 from .comm.local import LocalTransport, LocalWorld, Meeting
 from .config import RunConfig
 from .context import LossFn
 from .data import shared_loads
 from .metrics import say
 from .optim import OptimizerFn
+from .roles import topology_of
 from .stacked import StackedWorkers
 from .startup import stop_reason
 from .train import RunResult, run
@@ -51,9 +51,10 @@ def world_size(cfg: RunConfig, workers: int) -> int:
     """The ranks a job of ``workers`` workers takes with ``cfg``'s topology and servers."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    size = RankLayout.ranks_needed(cfg.topology, workers, cfg.servers)
-    RankLayout(size, cfg.servers, cfg.topology)  # the topology's own checks
-    places = grid_places(cfg.topology, cfg.grid)
+    topology = topology_of(cfg.topology)
+    size = topology.ranks_needed(workers=workers, servers=cfg.servers)
+    topology.rank_layout(world=size, servers=cfg.servers)  # the topology's own checks
+    places = topology.grid_places(cfg)
     if places is not None and places != size:
         raise ValueError(f"--grid {cfg.grid} has {places} places for {size} workers: simulate --workers {places}")
     return size

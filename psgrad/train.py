@@ -27,7 +27,7 @@ from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
 from .metrics import say, tensorboard_problem
 from .optim import OptimizerFn
-from .roles import ROLES
+from .roles import topology_of
 from .startup import AgreementError, agree, ignore_further_stops, stop_reason
 
 
@@ -52,6 +52,8 @@ def run(
     loss_fn: LossFn = F.cross_entropy,
     transport: Transport | None = None,
     optimizer_fn: OptimizerFn | None = None,
+    *,
+    keep_all_rows: bool = False,
 ) -> RunResult:
     """Train under MPI: call on every rank (``mpiexec -n 3 python my_script.py``).
 
@@ -61,7 +63,8 @@ def run(
     ``eval_data`` is an iterable of (inputs, labels) for evaluation on rank 0,
     ``loss_fn(outputs, labels)`` the training loss, and ``optimizer_fn([layer_values])`` builds
     any ``torch.optim.Optimizer`` the servers apply per layer (default: ``cfg.optimizer``; psgrad's
-    schedule sets its lr every step).
+    schedule sets its lr every step). ``keep_all_rows`` keeps every metrics row in the result
+    (``psgrad bench`` reads them all), not only the last few.
     """
     cfg.validate()
     if model_fn is not None and eval_data is None:
@@ -70,7 +73,7 @@ def run(
             f"psgrad will not evaluate your model on the {cfg.dataset} test set"
         )
     transport = transport or Transport()
-    layout = RankLayout(transport.size, cfg.servers, cfg.topology)
+    layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
     agree(transport, cfg, _rank_problem(cfg, transport.rank, layout))
     if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:
         checkpoint.clear_run(cfg.log_dir)  # before any rank can write into it (the next collective)
@@ -82,7 +85,7 @@ def run(
 
     watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
     try:
-        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where)
+        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where, keep_all_rows)
     except BaseException as err:
         if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
             raise
@@ -145,13 +148,15 @@ def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
     return device_problem(cfg) if layout.is_worker(rank) else None
 
 
-def _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: Transport, where: dict) -> RunResult:
+def _run(
+    cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: Transport, where: dict, keep_all_rows: bool
+) -> RunResult:
     ctx = RunContext.build(cfg, transport, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn)
-    role = where["role"] = ROLES[cfg.topology](ctx)
+    role = where["role"] = topology_of(cfg.topology).make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)
         ctx.transport.barrier()  # every rank's state fits before rank 0 touches the log dir
-    ctx.open_log()
+    ctx.open_log(keep_all_rows=keep_all_rows)
     log = ctx.log  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):

@@ -6,8 +6,8 @@ import pytest
 
 from psgrad.accuracy import MEASURED, PARITY, accuracy_note, measured
 from psgrad.codecs import available_codecs, make_codec, parse_spec
-from psgrad.comm.layout import LAYOUTS
 from psgrad.config import RunConfig
+from psgrad.roles import TOPOLOGIES
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_every_entry_names_a_real_codec_and_a_docs_section():
         make_codec(entry.codec), make_codec(entry.down)  # parameters the codecs accept
         assert entry.feedback in ("none", "ef", "dgc")
         assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
-        assert entry.topology in ("", *LAYOUTS), entry
+        assert entry.topology in ("", *TOPOLOGIES), entry
     assert measured(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=16")).of_dense >= PARITY
 
 

@@ -383,10 +383,16 @@ def test_colocated_equals_separate_servers(colocated_and_separate, name):
 
 
 def test_every_topology_has_a_role_and_a_layout():
-    from psgrad.comm.layout import TOPOLOGIES
-    from psgrad.roles import ROLES
+    """Every registered topology's role factory resolves, and its name is its registry key."""
+    import importlib
 
-    assert set(ROLES) == set(TOPOLOGIES)
+    from psgrad.roles import TOPOLOGIES
+
+    assert set(TOPOLOGIES) == {"ps", "colocated", "alltoall", "ring", "torus"}
+    for name, topology in TOPOLOGIES.items():
+        assert topology.name == name
+        module, _, attribute = topology.role.partition(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), topology.role
 
 
 def test_shard_layers_balances_sizes():
@@ -396,16 +402,16 @@ def test_shard_layers_balances_sizes():
 
 
 def test_roles_and_plan():
-    roles = RankLayout(4, 2)
+    roles = RankLayout(world=4, servers=2)
     assert roles.server_ranks == [0, 1] and roles.worker_ranks == [2, 3]
     with pytest.raises(
         ValueError,
         match=r"start at least 3 ranks .* or run every rank in this process with psgrad simulate --workers N",
     ):
-        RankLayout(2, 2)
-    colocated = RankLayout(3, 1, "colocated")
+        RankLayout(world=2, servers=2)
+    colocated = RankLayout(world=3, kind="colocated")
     assert colocated.server_ranks == colocated.worker_ranks == [0, 1, 2]
-    assert RankLayout(3, 1, "alltoall").server_ranks == []
+    assert RankLayout(world=3, kind="peers").server_ranks == []
     layers = plan_layers([("a", (3, 4)), ("b", (4,))], "model", 1)
     assert len(layers) == 1 and layers[0].shape == (16,)
 
@@ -536,7 +542,9 @@ def test_ring_with_sign_reaches_consensus_and_learns(tmp_path):
 
 
 def test_gossip_neighbourhoods():
-    from psgrad.comm.layout import neighbours_of, parse_grid, ring_neighbours, torus_neighbours
+    from psgrad.comm.layout import parse_grid, ring_neighbours, torus_neighbours
+    from psgrad.config import RunConfig
+    from psgrad.roles import topology_of
 
     assert [ring_neighbours(r, 4) for r in range(4)] == [[1, 3], [0, 2], [1, 3], [0, 2]]
     assert ring_neighbours(0, 2) == [1] and ring_neighbours(0, 1) == []
@@ -547,4 +555,4 @@ def test_gossip_neighbourhoods():
     with pytest.raises(ValueError, match="RxC"):
         parse_grid("2by3")
     with pytest.raises(ValueError, match="has 6 places for 4 ranks"):
-        neighbours_of("torus", "2x3", 0, 4)
+        topology_of("torus").neighbours(0, 4, RunConfig(topology="torus", grid="2x3"))

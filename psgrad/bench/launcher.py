@@ -41,10 +41,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..comm.layout import LAYOUTS, RankLayout
 from ..comm.protocol import TIME_KEYS
 from ..config import RunConfig
 from ..options import option_overrides, refuse_unused
+from ..roles import topology_of
 from ..startup import stop_reason
 from .baselines import BASELINES
 from .netshape import mpiexec_banner
@@ -191,14 +191,13 @@ def run_item(
         cfg,
         steps=steps + warmup,
         consensus_every=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
-        extra={**cfg.extra, "keep_all_rows": True},  # to_target reads every row up to the target
         eval_every=0,
         eval_steps=eval_steps,
         eval_background=False,
         progress=False,
         log_dir=None,
     )
-    result = run(bench_cfg)
+    result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
     if result.rank != 0:
         return None
     return measure(result.rows, warmup) | (to_target(result.rows, result.evals, target) if target else {})
@@ -281,7 +280,7 @@ def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     head, cfg = item_config(item, cfg)
     if head in BASELINES:
         return workers
-    return RankLayout.ranks_needed(cfg.topology, workers, cfg.servers)
+    return topology_of(cfg.topology).ranks_needed(workers=workers, servers=cfg.servers)
 
 
 def orchestrate(
@@ -385,15 +384,11 @@ def _child(job_path: str) -> None:
 def busiest_link(m: dict, topology: str, baseline: bool, servers: int, workers: int) -> float:
     """Bytes per step on the busiest link (one direction of a full-duplex NIC).
 
-    DDP: a worker's own share. ps: a server's, the larger of what all workers send it and what it
-    sends back. colocated: every byte leaves one rank and enters another, and the ranks are alike,
-    so a rank's egress is the step's total over the ranks. alltoall: a rank's own upload.
+    DDP: a worker's own share; a codec row: what its topology says (``Topology.busiest_link``).
     """
-    if baseline or LAYOUTS[topology] in ("peers", "gossip"):
+    if baseline:
         return m["bytes_up"] / workers
-    if LAYOUTS[topology] == "colocated":
-        return (m["bytes_up"] + m["bytes_down"]) / workers
-    return max(m["bytes_up"], m["bytes_down"]) / servers
+    return topology_of(topology).busiest_link(m, servers, workers)
 
 
 def summarize(

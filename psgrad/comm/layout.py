@@ -1,32 +1,88 @@
-"""Rank layouts and gossip neighbourhoods: which ranks serve, which work, and whom each rank
-talks to under every topology. Pure Python (no torch, no MPI), so the command line can offer and
-check these choices without importing torch.
+"""Topologies and rank layouts: which ranks serve, which work, whom each rank talks to, and what
+each topology asks of the run's settings. Pure Python (no torch, no MPI), so the command line can
+offer and check these choices without importing torch. Each topology is declared once, as a
+``Topology`` in its own file of ``psgrad/roles/``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 # How a topology places servers and workers on ranks:
 #   separate  — ranks 0..S-1 serve, the rest work (the parameter server, --servers S)
 #   colocated — every rank works and also serves a shard of the layers (BytePS-style)
 #   peers     — every rank works, nobody serves (all-to-all exchange)
 #   gossip    — every rank works and talks to its neighbours only (decentralized, CHOCO-SGD)
-LAYOUTS = {"ps": "separate", "colocated": "colocated", "alltoall": "peers", "ring": "gossip", "torus": "gossip"}
-TOPOLOGIES = tuple(LAYOUTS)
+KINDS = ("separate", "colocated", "peers", "gossip")
+
+
+def _no_rules(cfg: Any) -> None:
+    """A topology without option rules of its own."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One way of placing and connecting ranks, declared once in ``psgrad/roles/<name>.py``.
+
+    ``role`` names the factory (``"module:attribute"``, ``ctx -> Role``) that builds a rank's part;
+    it is imported only when a rank starts, so settings and the command line stay free of torch.
+    ``refuses`` maps a setting (RunConfig field) this topology cannot run away from its default
+    to why, and ``check(cfg)`` raises ValueError for any other setting it cannot run (both hold
+    whatever set the value); ``ignores`` maps a run option that means nothing here to why (refused
+    when the command line sets it); ``busiest_link(m, servers,
+    workers)`` turns a bench row's per-step byte counts into bytes on its busiest link;
+    ``grid_places(cfg)`` is the number of ranks the topology's shape fixes (None: any);
+    ``neighbours(rank, size, cfg)`` are a gossip rank's neighbours.
+    """
+
+    name: str
+    kind: str
+    role: str
+    busiest_link: Callable[[dict, int, int], float]
+    check: Callable[[Any], None] = _no_rules
+    refuses: Mapping[str, str] = field(default_factory=dict)
+    ignores: Mapping[str, str] = field(default_factory=dict)
+    takes_grid: bool = False
+    grid_places: Callable[[Any], int | None] = lambda cfg: None
+    neighbours: Callable[[int, int, Any], list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"topology {self.name}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @property
+    def has_servers(self) -> bool:
+        """Whether some rank serves (and replies to) the workers' gradients."""
+        return self.kind in ("separate", "colocated")
+
+    def rank_layout(self, *, world: int, servers: int = 1) -> RankLayout:
+        """Which of ``world`` ranks serve and which work under this topology."""
+        return RankLayout(world=world, servers=servers, kind=self.kind)
+
+    def ranks_needed(self, *, workers: int, servers: int) -> int:
+        """MPI ranks a job of ``workers`` workers needs under this topology."""
+        return workers + (servers if self.kind == "separate" else 0)
+
+    def make_role(self, ctx: Any) -> Any:
+        """This rank's part of the run (``context.Role``), built by the topology's factory."""
+        module, _, attribute = self.role.partition(":")
+        return getattr(importlib.import_module(module), attribute)(ctx)
 
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Which ranks serve and which work, for ``topology`` on ``world`` ranks."""
+    """Which ranks serve and which work, for a topology of ``kind`` on ``world`` ranks."""
 
     world: int
     servers: int = 1
-    topology: str = "ps"
+    kind: str = "separate"
 
     def __post_init__(self) -> None:
-        if self.topology not in LAYOUTS:
-            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"layout kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "separate":
             if self.servers < 1:
                 raise ValueError("the ps topology needs --servers >= 1")
@@ -36,10 +92,6 @@ class RankLayout:
                     f"start at least {self.servers + 1} ranks (mpiexec -n {self.servers + 1} ...), or run every rank in "
                     "this process with psgrad simulate --workers N"
                 )
-
-    @property
-    def kind(self) -> str:
-        return LAYOUTS[self.topology]
 
     @property
     def server_ranks(self) -> list[int]:
@@ -66,10 +118,24 @@ class RankLayout:
         serves, works = self.is_server(rank), self.is_worker(rank)
         return "server+worker" if serves and works else "server" if serves else "worker" if works else "peer"
 
-    @staticmethod
-    def ranks_needed(topology: str, workers: int, servers: int) -> int:
-        """MPI ranks a job of ``workers`` workers needs under ``topology``."""
-        return workers + (servers if LAYOUTS[topology] == "separate" else 0)
+
+def without_gossip(name: str) -> dict[str, str]:
+    """Why CHOCO-SGD's options mean nothing to topology ``name`` (one that does not gossip)."""
+    return {
+        option: f"--{option.replace('_', '-')} is CHOCO-SGD's: it means nothing to --topology {name} "
+        "(use --topology ring or torus)"
+        for option in ("consensus_step", "consensus_every")
+    }
+
+
+def without_servers(name: str) -> dict[str, str]:
+    """What topology ``name``, in which nobody serves, cannot run or ignores: ``(refuses, ignores)``."""
+    refuses = {
+        "push": f"--push after needs servers (--topology ps or colocated): {name} exchanges every layer before any update",
+        "serve_thread": f"--serve-thread is for --topology colocated: {name} has no servers",
+        "mode": "--mode async needs servers (--topology ps or colocated)",
+    }
+    return refuses, {"servers": f"--servers counts the server ranks of --topology ps: {name} has none"}
 
 
 # gossip neighbourhoods
@@ -97,21 +163,3 @@ def torus_neighbours(rank: int, rows: int, cols: int) -> list[int]:
         r * cols + (c + 1) % cols,
     }
     return sorted(around - {rank})
-
-
-def grid_places(topology: str, grid: str | None) -> int | None:
-    """How many ranks ``topology`` needs when its shape fixes that (a torus: rows x columns)."""
-    if topology != "torus":
-        return None
-    rows, cols = parse_grid(grid or "")
-    return rows * cols
-
-
-def neighbours_of(topology: str, grid: str | None, rank: int, size: int) -> list[int]:
-    """This rank's gossip neighbours under ``topology`` (ring, or torus with ``grid``)."""
-    if topology == "ring":
-        return ring_neighbours(rank, size)
-    rows, cols = parse_grid(grid or "")
-    if rows * cols != size:
-        raise ValueError(f"--grid {grid} has {rows * cols} places for {size} ranks: start mpiexec -n {rows * cols}")
-    return torus_neighbours(rank, rows, cols)

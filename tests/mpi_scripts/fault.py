@@ -12,11 +12,11 @@ import signal
 import sys
 
 from psgrad.comm import segments
-from psgrad.comm.layout import RankLayout
 from psgrad.comm.sentinel import hold_goodbyes
 from psgrad.comm.transport import Transport, finalize, mpi_library
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
+from psgrad.roles import topology_of
 from psgrad.train import run
 
 how = sys.argv[1]
@@ -53,6 +53,6 @@ cfg = RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=to
 run(cfg, loader_fn=FaultyLoader)
 if how == "exit":
     world = Transport()
-    if world.rank == RankLayout(world.size, cfg.servers, topology).worker_ranks[failing]:
+    if world.rank == topology_of(topology).rank_layout(world=world.size, servers=cfg.servers).worker_ranks[failing]:
         os.kill(os.getpid(), signal.SIGKILL)
     finalize()

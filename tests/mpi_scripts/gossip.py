@@ -13,11 +13,11 @@ import torch
 from scenarios import split_runs
 from small_mlp import SETTINGS
 
-from psgrad.comm.layout import neighbours_of
 from psgrad.comm.transport import world_rank, world_size
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.models import build_model
+from psgrad.roles import topology_of
 from psgrad.train import run
 
 STEPS = 5
@@ -54,7 +54,7 @@ def check(topology: str, differ: bool) -> None:
         before = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
         with torch.no_grad():
             for r, m in enumerate(models):
-                group = [r, *neighbours_of(cfg.topology, cfg.grid, r, size)]
+                group = [r, *topology_of(cfg.topology).neighbours(r, size, cfg)]
                 for n, p in m.named_parameters():
                     p.copy_(sum(before[j][n] for j in group) / len(group))
     mine = dict(models[rank].named_parameters())

@@ -1,0 +1,97 @@
+"""A run setting is declared once: its click option, --help section, docs/cli.md row, allowed
+values, "set but unused" refusal and config.json round trip all come from that declaration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from psgrad.clidoc import command_lines
+from psgrad.config import RunConfig
+from psgrad.options import SectionedCommand, refuse_unused, run_options, section_of, unused_option
+from psgrad.settings import TRAINING, setting, unless
+
+
+@dataclasses.dataclass
+class Extended(RunConfig):
+    """RunConfig plus one new setting, declared as psgrad's own are, and touched nowhere else."""
+
+    knob_steps: int = setting(
+        3,
+        section=TRAINING,
+        low=0,
+        unused=(unless(lambda cfg: cfg.optimizer == "adam", "--knob-steps is Adam's: --optimizer {cfg.optimizer}"),),
+        help="A new knob, in steps.",
+    )
+
+
+def _command() -> click.Command:
+    seen: dict = {}
+
+    def body(**options) -> None:
+        seen.update(options)
+
+    command = SectionedCommand("knobbed", callback=body, params=[])
+    run_options(command.callback, config_class=Extended)
+    command.params = list(reversed(getattr(command.callback, "__click_params__", [])))
+    command.seen = seen
+    return command
+
+
+def test_a_new_setting_is_a_click_option_with_its_type_and_section():
+    command = _command()
+    done = CliRunner().invoke(command, ["--knob-steps", "7", "--optimizer", "adam"])
+    assert done.exit_code == 0, done.output
+    assert command.seen["knob_steps"] == 7 and command.seen["optimizer"] == "adam"
+    refused = CliRunner().invoke(command, ["--knob-steps", "-1"])
+    assert refused.exit_code == 2 and "--knob-steps" in refused.output
+    knob = next(p for p in command.params if p.name == "knob_steps")
+    assert section_of(knob) == TRAINING
+    help_text = CliRunner().invoke(command, ["--help"]).output
+    assert help_text.index("--knob-steps") > help_text.index(f"{TRAINING}:")
+
+
+def test_a_new_setting_has_its_row_in_the_cli_reference():
+    lines = command_lines("knobbed", _command())
+    row = next(line for line in lines if line.startswith("| `--knob-steps`"))
+    assert "| 3 |" in row and "A new knob, in steps." in row
+    assert lines.index(row) > lines.index(f"### {TRAINING}")
+
+
+def test_a_new_setting_is_checked_against_its_declaration():
+    with pytest.raises(ValueError, match=r"--knob-steps must be >= 0, got -2"):
+        Extended(knob_steps=-2).validate()
+    assert Extended(knob_steps=0).validate().knob_steps == 0
+
+
+def test_a_new_setting_is_refused_where_it_means_nothing():
+    sgd = Extended(knob_steps=5).validate()
+    assert unused_option("knob_steps", sgd) == "--knob-steps is Adam's: --optimizer sgd"
+    with pytest.raises(ValueError, match="Adam's"):
+        refuse_unused(["knob_steps"], sgd)
+    refuse_unused(["knob_steps"], Extended().validate())  # left at its default: quiet
+    refuse_unused(["knob_steps"], Extended(knob_steps=5, optimizer="adam", momentum=0.0).validate())
+
+
+def test_a_new_setting_round_trips_through_config_json():
+    cfg = Extended(knob_steps=9, lr_milestones=(2, 4)).validate()
+    back = Extended.from_json(cfg.to_json())
+    assert back == cfg and json.loads(cfg.to_json())["knob_steps"] == 9
+
+
+def test_every_choice_and_range_holds_outside_the_command_line():
+    """The allowed values the command line offers hold for a RunConfig built in Python too."""
+    for changes, text in [
+        ({"amp": "fp8"}, "--amp must be one of off, bf16, fp16, got 'fp8'"),
+        ({"partition": "striped"}, "--partition must be one of random, contiguous"),
+        ({"momentum": 1.0}, r"--momentum must be in \[0, 1\), got 1.0"),
+        ({"consensus_step": 0.0, "topology": "ring"}, r"--consensus-step must be in \(0, 1\], got 0.0"),
+        ({"synthetic_classes": 7}, "--synthetic-classes must be one of 10, 100, got 7"),
+        ({"topology": "star"}, "--topology must be one of ps, colocated, alltoall, ring, torus"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            RunConfig(**changes).validate()
