@@ -23,7 +23,7 @@ from .config import RunConfig
 from .roles import topology_of
 
 PARITY = 0.99
-"""Issue #13's bar: at least 0.99x dense test accuracy at equal epochs."""
+"""The bar for "learns as well as dense": at least 0.99x dense test accuracy at equal epochs."""
 
 
 @dataclass(frozen=True)

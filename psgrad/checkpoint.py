@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from .chain import error_chain, stop_behind
 from .choices import option_flag
+from .runtime.chain import error_chain, stop_behind
 
 if TYPE_CHECKING:  # torch is imported where files are written or read: the command line finds runs without it
     import torch

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import click
 
-from .chain import stop_behind
 from .choices import MODEL_NAMES, option_flag
 from .options import (
     SectionedCommand,
@@ -26,6 +25,7 @@ from .options import (
     run_settings,
     set_off_default,
 )
+from .runtime.chain import stop_behind
 
 TRAINING_COMMANDS = frozenset({"train", "server", "worker"})
 BENCH_IGNORES = {
@@ -50,7 +50,7 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
        in start-up's agreement; and a rank that exits with a status before MPI starts leaves the
        others waiting in MPI's start-up. Both hung the job. A rank killed by a signal is one the
        process manager ends the job for."""
-    from .startup import Terminated, rank_said, stop_reason
+    from .runtime.signals import Terminated, rank_said, stop_reason
 
     reason, status = stop_reason(err)
     print(rank_said(f"{reason} while starting or ending"), file=sys.stderr, flush=True)
@@ -60,13 +60,15 @@ def _leave_the_job(err: KeyboardInterrupt) -> None:
 def _end_the_job(status: int, signum: int) -> None:
     """End this rank's job: abort it with ``status`` if MPI runs, else die by ``signum`` (the
     process manager then ends the job; see ``_leave_the_job``)."""
-    from .startup import die_by_signal
+    from .runtime.signals import die_by_signal
 
     sys.stderr.flush()
     sys.stdout.flush()
     if "mpi4py.MPI" in sys.modules:
-        from .comm.transport import abort_if_running
+        from .comm.transport import abort_if_running, on_job_end
+        from .runtime import job_end_hooks
 
+        on_job_end(**job_end_hooks())
         abort_if_running(status)
     die_by_signal(signum)
     os._exit(status)  # not reached: the signal's default action ends the process
@@ -79,7 +81,7 @@ def _fail_the_job(err: Exception) -> None:
     start-up for ever, at a full core each: MPI's C code never returns to let a Ctrl-C or SIGTERM
     handler of Python's run. So: MPI runs, abort the job with status 1; otherwise die by SIGTERM,
     which the process manager ends the job for."""
-    from .startup import rank_said
+    from .runtime.signals import rank_said
 
     if isinstance(err, click.ClickException):  # click's own error: its one line, as click prints it
         err.show()
@@ -95,7 +97,8 @@ class _Commands(click.Group):
     exits with status 2 — not once per rank, interleaved."""
 
     def invoke(self, ctx: click.Context):
-        from .startup import AgreementError, launched_ranks, stop_reason, stop_signals_end_the_rank, stop_signals_raise
+        from .runtime.signals import launched_ranks, stop_reason, stop_signals_end_the_rank, stop_signals_raise
+        from .startup import AgreementError
 
         try:
             if launched_ranks() > 1:
@@ -103,7 +106,7 @@ class _Commands(click.Group):
                 # raised, and _leave_the_job below ends the job
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(signal.SIGINT, signal.default_int_handler)
-                from .comm.sentinel import start_early
+                from .runtime.sentinel import start_early
 
                 start_early()  # before torch and MPI: a rank that dies while MPI starts is seen to
             # SIGTERM as Ctrl-C for the whole command, but not in a rank of a multi-rank launch
@@ -265,11 +268,11 @@ def codecs(
     bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
     import torch
 
-    from .allocator import keep_freed_memory
     from .bench import codecbench
     from .choices import wrn_depth_problem
     from .codecs import available_codecs, kernels_name
     from .models import build_model
+    from .runtime.allocator import keep_freed_memory
 
     if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
         raise click.BadParameter(problem, param_hint="--depth")
@@ -308,10 +311,11 @@ def codecs(
 
 
 def _train(role: str | None, options: dict) -> None:
-    from .comm.sentinel import goodbyes_held, hold_goodbyes
     from .comm.transport import finalize, world_rank, world_size
     from .roles import topology_of
-    from .startup import stop_signals_raise
+    from .runtime.allocator import keep_freed_memory
+    from .runtime.sentinel import goodbyes_held, hold_goodbyes
+    from .runtime.signals import stop_signals_raise
     from .train import run
 
     cfg = run_settings(options)
@@ -337,6 +341,7 @@ def _train(role: str | None, options: dict) -> None:
             raise click.UsageError(
                 f"'psgrad {role}' started on rank {world_rank()}, which is a {actual} rank with --servers {cfg.servers} (servers are ranks 0..{cfg.servers - 1})"
             )
+    keep_freed_memory()  # the command's choice for its process; train.run as a library leaves malloc alone
     hold_goodbyes()  # this process ends with the job: a rank dying in MPI_Finalize is named too
     with stop_signals_raise():  # from here on, with MPI started: a SIGTERM is said and aborts the job
         run(cfg)
@@ -373,9 +378,11 @@ def _require_data(cfg) -> None:
 
 def _abort_job(message: str) -> None:
     """A usage error on one rank must end every rank, or the others would wait for it forever."""
-    from .comm.transport import Transport
+    from .comm.transport import Transport, on_job_end
+    from .runtime import job_end_hooks
 
     click.echo(f"Error: {message}", err=True)
+    on_job_end(**job_end_hooks())
     Transport().abort(2)
 
 
@@ -430,9 +437,11 @@ def worker(**options) -> None:
 @config_option
 def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
+    from .runtime.allocator import keep_freed_memory
+    from .runtime.signals import launched_ranks
     from .simulate import simulate as run_simulation
     from .simulate import world_size
-    from .startup import AgreementError, launched_ranks
+    from .startup import AgreementError
 
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
@@ -451,6 +460,7 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
             "compute at once will share them, each more slowly",
             err=True,
         )
+    keep_freed_memory()  # the command's choice for its process; simulate() as a library leaves malloc alone
     try:
         run_simulation(cfg, workers, cores=cores, stack=stack)
     except AgreementError:  # a usage error, printed once: exit 2 as under mpiexec

@@ -26,7 +26,6 @@ from torch import nn
 
 from . import checkpoint
 from .accuracy import accuracy_note
-from .allocator import keep_freed_memory
 from .codecs import make_codec
 from .comm import wire
 from .comm.layout import RankLayout
@@ -144,7 +143,6 @@ class RunContext:
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it)."""
         torch.set_num_threads(cfg.threads)
-        keep_freed_memory()
         layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
         rank = transport.rank
         with _GLOBAL_RNG:

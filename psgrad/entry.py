@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 
-from .startup import launched_ranks
+from .runtime.signals import launched_ranks
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ from .data import shared_loads
 from .metrics import say
 from .optim import OptimizerFn
 from .roles import topology_of
+from .runtime.signals import stop_reason
 from .stacked import StackedWorkers
-from .startup import stop_reason
 from .train import RunResult, run
 
 DEFAULT_STALL = 60.0

@@ -2,7 +2,7 @@
 a single pass of grouped operations, instead of N passes of small ones.
 
 A simulation of 16 workers on batches of 8 otherwise runs sixteen forwards and backwards of 8
-samples, each torch operation paying its fixed cost sixteen times (docs/benchmarks.md, issue #15).
+samples, each torch operation paying its fixed cost sixteen times (docs/benchmarks.md, "`psgrad simulate`").
 
 ``stack_models(models)``:
 1. Copies the first model's structure and replaces each layer that holds parameters with one that
@@ -119,7 +119,7 @@ class _OneWorkersConvolution:
     Both give the same values. For stride 1 the wide one was 4 % faster over a WRN-10-1 pass; for
     stride 2 only the 3-D one exists, and it is faster than the grouped convolution (forward
     4.9 against 7.6 ms, input gradient 7.5 against 9.6 on the first strided 3x3 of WRN-10-1 at
-    16 x 8 images; docs/benchmarks.md, "Session 29")."""
+    16 x 8 images)."""
 
     def __init__(self, layer: StackedConv2d) -> None:
         self.n, self.groups = layer.n, layer.groups // layer.n
@@ -357,7 +357,7 @@ class StackedWorkers:
        run at once, one torch thread each: group 0 on the serving thread, the others on helper
        threads that live as long as the simulation (so each keeps its own malloc arena warm);
        otherwise one after another. Why: the lone worker gains only 1.5–1.7x from a second torch
-       thread, two passes side by side nearly 2x (docs/benchmarks.md, issue #15, session 22).
+       thread, two passes side by side nearly 2x (docs/benchmarks.md, "`psgrad simulate`").
     """
 
     def __init__(self, meeting: Meeting, groups: int = 1) -> None:

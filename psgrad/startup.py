@@ -14,13 +14,8 @@ So the first thing every rank does under MPI is ``agree``:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from .choices import option_flag
@@ -32,125 +27,9 @@ if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
 PER_RANK = frozenset({"device", "threads", "progress"})
 """Settings a rank may have of its own (a GPU worker beside a CPU server, the bar on rank 0)."""
 
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (SIGINT), as a shell reports a command it interrupted (128 + 2)."""
-STOP_SIGNALS = (signal.SIGTERM,)
-"""Signals that stop psgrad as Ctrl-C does while ``stop_signals_raise`` is on: SIGTERM (a
-scheduler's cancel or time limit, ``kill``, ``timeout``). Not SIGHUP: loading MPICH's UCX library
-(libucs) takes SIGHUP over for its debug handler, so a handler set here would be gone."""
-
-_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-
 
 class AgreementError(ValueError):
     """The ranks do not agree; the message was printed once, by one rank."""
-
-
-class Terminated(KeyboardInterrupt):
-    """One of ``STOP_SIGNALS`` arrived while ``stop_signals_raise`` is on. A KeyboardInterrupt, so
-    that psgrad stops on it as on Ctrl-C, where every wait and every thread hand-off already
-    expects one."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
-    """How a stop by signal is said, and the exit status a shell reports for it (128 + the signal)."""
-    if isinstance(err, Terminated):
-        return f"terminated ({signal.Signals(err.signum).name})", 128 + err.signum
-    return "interrupted", INTERRUPTED
-
-
-@contextlib.contextmanager
-def _stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[None]:
-    """Within, ``handler`` takes each of ``STOP_SIGNALS``; the handlers before are back after.
-    Elsewhere than in the main thread (which alone may set handlers) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signum)
-
-
-def die_by_signal(signum: int) -> None:
-    """End this process by ``signum``'s default action (the process manager then ends the job),
-    after removing the MPI library's shared-memory segments it maps (comm/segments.py)."""
-    from .comm import segments
-
-    segments.remove(segments.job_segments())
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _end_by_signal(signum: int, frame: object) -> None:
-    die_by_signal(signum)
-
-
-def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
-    """Within, each of ``STOP_SIGNALS`` raises ``Terminated`` in the main thread instead of ending
-    the process at once: a rank then says what it was doing and which checkpoint resumes the run,
-    where it would otherwise die without a word (and its sentinel blame it as killed or crashed),
-    and ``psgrad bench`` ends its running job instead of leaving it behind. Elsewhere than in the
-    main thread (which alone may set handlers) it does nothing."""
-    return _stop_signals_to(_raise_terminated)
-
-
-def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
-    """Within, each of ``STOP_SIGNALS`` ends this process by the signal's default action, as
-    without a handler, but first removes the MPI library's shared-memory segments it maps, which
-    only ``MPI_Finalize`` would have removed (comm/segments.py). For a rank of a multi-rank launch
-    while it starts or ends, outside ``stop_signals_raise``: a rank leaving there by a normal exit
-    hung the job, one killed by the signal is one the process manager ends the job for, but took
-    the segment with it into /dev/shm for good. Main thread only, as every handler."""
-    return _stop_signals_to(_end_by_signal)
-
-
-def ignore_further_stops() -> None:
-    """On the way down after a stop by signal: a second Ctrl-C or SIGTERM must not cut the rest
-    short (the rank's abort of the job). Main thread only, as every handler."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, *STOP_SIGNALS):
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def launched_ranks() -> int:
-    """How many ranks the MPI launcher started, from its environment (no MPI initialisation)."""
-    size = _from_launcher(_SIZE_VARIABLES)
-    return 1 if size is None else size
-
-
-def launched_rank() -> int | None:
-    """This process's rank as the MPI launcher set it in the environment (no MPI initialisation),
-    or None when no launcher did."""
-    return _from_launcher(_RANK_VARIABLES)
-
-
-def _from_launcher(names: tuple[str, ...]) -> int | None:
-    """The first of the environment variables ``names`` that holds a number, as a number."""
-    for name in names:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
-def rank_said(what: str) -> str:
-    """``what`` (a line's text after the tag) tagged as psgrad's in-run lines are, ``[psgrad rank N]
-    what``, when the launcher says which rank this process is; else ``[psgrad] this rank what``.
-    For the lines a rank prints before MPI can tell it: under mpiexec every rank's lines share one
-    stream."""
-    rank = launched_rank()
-    return f"[psgrad] this rank {what}" if rank is None else f"[psgrad rank {rank}] {what}"
 
 
 def _first(transport: Transport, mine: bool) -> int | None:

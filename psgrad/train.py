@@ -21,14 +21,16 @@ from torch import nn
 
 from . import checkpoint
 from .comm.layout import RankLayout
-from .comm.transport import PeerFailure, Transport
-from .comm.watchdog import Report, Watchdog
+from .comm.transport import PeerFailure, Transport, on_job_end
 from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
 from .metrics import say, tensorboard_problem
 from .optim import OptimizerFn
 from .roles import topology_of
-from .startup import AgreementError, agree, ignore_further_stops, stop_reason
+from .runtime import job_end_hooks
+from .runtime.signals import ignore_further_stops, stop_reason
+from .runtime.watchdog import Report, Watchdog
+from .startup import AgreementError, agree
 
 
 @dataclass
@@ -73,6 +75,7 @@ def run(
             f"psgrad will not evaluate your model on the {cfg.dataset} test set"
         )
     transport = transport or Transport()
+    on_job_end(**job_end_hooks())  # MPI_Abort's leftovers removed, sentinels told after MPI_Finalize
     layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
     agree(transport, cfg, _rank_problem(cfg, transport.rank, layout))
     if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:

@@ -105,7 +105,7 @@ def descendants(pid: int) -> list[int]:
 
 def mpi_segments(pids) -> set[str]:
     """The MPI library's shared-memory files that ``pids`` map (psgrad/comm/segments.py)."""
-    from psgrad.comm.segments import job_segments
+    from psgrad.runtime.segments import job_segments
 
     return {path for pid in pids for path in job_segments(f"/proc/{pid}/maps")}
 

@@ -9,14 +9,14 @@ import sys
 import pytest
 from conftest import run_bounded
 
-from psgrad.allocator import user_choice
+from psgrad.runtime.allocator import user_choice
 
 # A step's activation, allocated, touched and freed again and again; prints the page faults of the
 # last rounds (the first ones fault the heap in once, tuned or not). 40 MiB is above the most that
 # glibc's own threshold rises to (32 MiB), so by default every round maps it fresh.
 _STEPS = """
 import resource, torch
-from psgrad.allocator import keep_freed_memory
+from psgrad.runtime.allocator import keep_freed_memory
 print(keep_freed_memory())
 for round in range(30):
     if round == 10:
@@ -68,12 +68,30 @@ def test_a_misspelt_setting_warns_and_keeps():
         assert user_choice({"PSGRAD_MALLOC": "sytem"}) is None
 
 
-def test_every_training_rank_tunes_its_process(monkeypatch):
-    import psgrad.allocator as allocator
+def test_the_library_leaves_the_allocator_alone(monkeypatch):
+    """simulate() (train.run too) called from Python does not touch the process's allocator:
+    tuning it is the caller's choice (the psgrad command makes it for its own process)."""
+    import psgrad.runtime.allocator as allocator
     from psgrad.config import RunConfig
     from psgrad.simulate import simulate
 
     monkeypatch.setattr(allocator, "_state", None)
-    monkeypatch.setenv("PSGRAD_MALLOC", "system")  # so that this test process stays as it was
     simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every=0, timeout=60), 1)
-    assert allocator._state == "left as it is: PSGRAD_MALLOC=system"
+    assert allocator._state is None
+
+
+_COMMAND_RUN = """
+from click.testing import CliRunner
+import psgrad.runtime.allocator as allocator
+from psgrad.cli import main
+done = CliRunner().invoke(main, ["simulate", "--workers", "2", "--model", "mlp", "--steps", "2", "--batch-size", "8",
+                                 "--synthetic-size", "64", "--no-progress"])
+assert done.exit_code == 0, done.output
+print(allocator._state)
+"""
+
+
+def test_every_training_command_tunes_its_process():
+    done = run_bounded([sys.executable, "-c", _COMMAND_RUN], 300, env={"PSGRAD_MALLOC": "system"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "left as it is: PSGRAD_MALLOC=system"

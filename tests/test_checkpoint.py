@@ -185,7 +185,7 @@ def test_a_stop_during_a_checkpoint_write_stops_and_is_no_write_error(tmp_path, 
     """The file's ``write`` is Python code: a SIGTERM or Ctrl-C arriving while torch writes a
     checkpoint is raised inside torch's writer, which reports "unexpected pos". That was said as a
     failed write (CheckpointError, status 1) instead of the stop it is (130, 143: CI caught it)."""
-    from psgrad.startup import Terminated
+    from psgrad.runtime.signals import Terminated
 
     real_save = torch.save
 

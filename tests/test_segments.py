@@ -1,7 +1,7 @@
 """Which shared-memory files of the MPI library a rank removes when its job ends without
 MPI_Finalize (comm/segments.py); the jobs that end so are in test_training and test_sentinel."""
 
-from psgrad.comm import segments
+from psgrad.runtime import segments
 
 
 def _maps(tmp_path, lines: list[str]):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from psgrad.comm import sentinel
+from psgrad.runtime import sentinel
 
 
 def _died_line(capfd, proc, seconds: float = 10.0) -> str:
@@ -147,7 +147,7 @@ def test_a_claim_on_a_full_disk_still_claims_and_never_raises(tmp_path, monkeypa
 _EARLY_RANK = """
 import mmap, os, signal, sys, time
 from pathlib import Path
-from psgrad.comm import segments, sentinel
+from psgrad.runtime import segments, sentinel
 sentinel.start_early()
 with open(sys.argv[1], "r+b") as f:
     mapped = mmap.mmap(f.fileno(), 64)  # as MPI_Init maps MPICH's segment
@@ -193,7 +193,7 @@ def test_an_early_sentinel_removes_what_a_rank_dying_as_mpi_starts_had_mapped(tm
 
 _RANK_KILLED_AS_MPI_MAPS = """
 import mmap, os, signal, sys, time
-from psgrad.comm import sentinel
+from psgrad.runtime import sentinel
 sentinel.start_early()
 time.sleep(0.3)  # the sentinel runs
 with open(sys.argv[1], "w+b") as f:  # as MPI_Init creates MPICH's segment and maps it

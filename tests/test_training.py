@@ -554,7 +554,7 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     ],
 )
 def test_a_line_printed_before_mpi_names_the_launchers_rank(monkeypatch, env, said):
-    from psgrad import startup
+    from psgrad.runtime import signals as startup
 
     for name in startup._RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -579,9 +579,9 @@ def test_ctrl_c_before_a_ranks_command_runs_ends_it_by_the_signal(where):
         "parsing": "import click\nparse = click.Group.make_context\n"
         "def make_context(self, *args, **kwargs):\n    os.kill(os.getpid(), signal.SIGINT)\n"
         "    return parse(self, *args, **kwargs)\nclick.Group.make_context = make_context",
-        "sentinel": "import psgrad.comm.sentinel as sentinel\n"
+        "sentinel": "import psgrad.runtime.sentinel as sentinel\n"
         "def start_early():\n    os.kill(os.getpid(), signal.SIGINT)\nsentinel.start_early = start_early",
-        "wrapped": "import psgrad.comm.sentinel as sentinel\n"
+        "wrapped": "import psgrad.runtime.sentinel as sentinel\n"
         "class Named:\n    def __set_name__(self, owner, name):\n        os.kill(os.getpid(), signal.SIGINT)\n"
         "def start_early():\n    type('Holder', (), {'field': Named()})\nsentinel.start_early = start_early",
     }[where]
@@ -608,7 +608,7 @@ def test_a_rank_that_fails_before_mpi_starts_ends_the_job(error):
     from conftest import mpiexec
 
     script = (
-        "import os, sys, click\nimport psgrad.comm.sentinel as sentinel\nstart = sentinel.start_early\n"
+        "import os, sys, click\nimport psgrad.runtime.sentinel as sentinel\nstart = sentinel.start_early\n"
         f"def start_early():\n    if os.environ.get('PMI_RANK') == '2':\n        raise {error}('broken rank')\n"
         "    start()\nsentinel.start_early = start_early\n"
         "sys.argv = ['psgrad', 'train', '--model', 'mlp', '--steps', '3', '--no-progress']\n"

@@ -30,12 +30,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ImageSet, ShardLoader, eval_batches
 from ..models import build_model
 from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
+from ..runtime.allocator import keep_freed_memory
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 

@@ -45,7 +45,7 @@ from ..comm.protocol import TIME_KEYS
 from ..config import RunConfig
 from ..options import option_overrides, refuse_unused
 from ..roles import topology_of
-from ..startup import stop_reason
+from ..runtime.signals import stop_reason
 from .baselines import BASELINES
 from .netshape import mpiexec_banner
 
@@ -359,8 +359,10 @@ def _target_note(m: dict, target: float | None) -> str:
 
 def _child(job_path: str) -> None:
     """Entry of one launcher job: ``mpiexec -n N python -m psgrad.bench JOB.json``."""
-    from ..comm.sentinel import hold_goodbyes
+    from ..runtime.allocator import keep_freed_memory
+    from ..runtime.sentinel import hold_goodbyes
 
+    keep_freed_memory()  # a bench job's ranks run as psgrad train's do
     hold_goodbyes()  # the process ends with the job (finalize_and_exit): a rank dying on the way out is named too
     from ..comm.transport import finalize_and_exit
     from ..startup import AgreementError

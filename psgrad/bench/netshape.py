@@ -27,7 +27,7 @@ import subprocess
 import sys
 from types import FrameType
 
-from ..startup import Terminated
+from ..runtime.signals import Terminated
 
 IFACE = "psg0"
 SUBNET = "10.213.0"

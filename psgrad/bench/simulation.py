@@ -34,10 +34,10 @@ from dataclasses import replace
 
 import torch
 
-from ..allocator import keep_freed_memory
 from ..config import RunConfig
 from ..data import ShardLoader
 from ..models import build_model
+from ..runtime.allocator import keep_freed_memory
 from ..simulate import simulate
 from .baselines import train_rows
 from .codecbench import cpu_name

@@ -20,9 +20,6 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
-from . import segments
-from .sentinel import farewell
-
 _SPIN_TESTS = 20  # tests before the first sleep: replies often land within microseconds
 _MIN_SLEEP = 50e-6
 _MAX_SLEEP = 1e-3
@@ -374,9 +371,28 @@ class Transport:
         # mpiexec forwards each rank's output through its proxies, and an abort can end them before
         # the last lines (the error that caused it) are through: give them a moment
         time.sleep(0.5)
-        segments.remove(segments.job_segments())  # MPI_Abort leaves them behind (comm/segments.py)
+        _run_hooks(_BEFORE_ABORT)
         self.comm.Abort(code)
         os._exit(code)  # Abort does not return; this is for MPI stubs that do
+
+
+_BEFORE_ABORT: list[Callable[[], None]] = []
+_AFTER_FINALIZE: list[Callable[[], None]] = []
+
+
+def on_job_end(*, before_abort: Callable[[], None], after_finalize: Callable[[], None]) -> None:
+    """What this process does beside MPI as its job ends: ``before_abort`` right before
+    ``MPI_Abort`` (which leaves the MPI library's shared-memory files behind), ``after_finalize``
+    right after ``MPI_Finalize``. psgrad's runtime sets these (``psgrad.runtime.job_end_hooks``);
+    a hook set twice runs once."""
+    for hooks, hook in ((_BEFORE_ABORT, before_abort), (_AFTER_FINALIZE, after_finalize)):
+        if hook not in hooks:
+            hooks.append(hook)
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        hook()
 
 
 def mpi_library() -> str:
@@ -409,17 +425,17 @@ def world_rank() -> int:
 def abort_if_running(code: int) -> None:
     """End every rank of the job with ``code`` if MPI runs (started and not finalized)."""
     if _mpi_running():
-        segments.remove(segments.job_segments())
+        _run_hooks(_BEFORE_ABORT)
         MPI.COMM_WORLD.Abort(code)
 
 
 def finalize() -> None:
-    """Finalize MPI (if it was started), then let this process's sentinels hear their goodbye
-    (``sentinel.farewell``): a rank that dies before that, in MPI_Finalize, is named by its
-    sentinel. Once is enough."""
+    """Finalize MPI (if it was started), then run the hooks for after it (``on_job_end``: psgrad's
+    runtime lets this process's sentinels hear their goodbye, so a rank that dies before that, in
+    MPI_Finalize, is named by its sentinel). Once is enough."""
     if _mpi_running():
         MPI.Finalize()
-    farewell()
+    _run_hooks(_AFTER_FINALIZE)
 
 
 def finalize_and_exit(code: int = 0) -> None:

@@ -11,7 +11,7 @@ class StepStart:
 
     Those two walk the module tree on every call: ``train`` sets an attribute on every module
     (through ``nn.Module.__setattr__``), ``zero_grad`` runs a generator per level. For 16 simulated
-    workers of WRN-10-1 that was a quarter of the Python time between two passes (yappi, issue #15).
+    workers of WRN-10-1 that was a quarter of the Python time between two passes (measured with yappi).
 
     1. The modules and parameters are listed once, at construction: psgrad replaces a parameter's
        data, never the parameter.

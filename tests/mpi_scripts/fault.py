@@ -11,12 +11,12 @@ import os
 import signal
 import sys
 
-from psgrad.comm import segments
-from psgrad.comm.sentinel import hold_goodbyes
 from psgrad.comm.transport import Transport, finalize, mpi_library
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.roles import topology_of
+from psgrad.runtime import segments
+from psgrad.runtime.sentinel import hold_goodbyes
 from psgrad.train import run
 
 how = sys.argv[1]

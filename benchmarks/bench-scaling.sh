@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # When to leave the single server: step time against the number of workers on slow links, one
 # server rank against colocated servers, dense and compressed (docs/benchmarks.md, "Scaling").
-# Usage: sudo bash launch/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS]
+# Usage: sudo bash benchmarks/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS]
 #   defaults: bench-scaling 10mbit "2 4 8" 8 — shaped links need root. ResNet-20 at batch 8: a small
 #   model keeps the run link-bound (N ranks share this machine's cores), and its 21 layers of
 #   similar size spread over the serving ranks (a model with one dominant layer, like mlp, puts

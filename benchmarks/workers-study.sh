@@ -3,7 +3,7 @@
 # "Many workers in one process"). The total batch stays 256 whatever N is (each worker takes
 # 256/N), so every run trains the same samples with the same steps and learning rate: what changes
 # with N is only how many independently coded gradients make up each step.
-# Usage: bash launch/workers-study.sh [OUT_DIR] [WORKERS] [EPOCHS] [CODEC ...]
+# Usage: bash benchmarks/workers-study.sh [OUT_DIR] [WORKERS] [EPOCHS] [CODEC ...]
 #   defaults: workers-study "2 4 8 16 32 64" 15, codecs "none", "topk:ratio=0.01 --feedback ef" and
 #   "topk:ratio=0.01 --feedback dgc --momentum 0 --dgc-warmup-epochs 3" (about 50 minutes on 2 cores).
 set -euo pipefail

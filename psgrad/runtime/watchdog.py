@@ -30,10 +30,10 @@ from pathlib import Path
 
 import msgpack
 
+from ..comm.transport import WAITING, Handle, Transport
 from ..metrics import say
 from . import segments
 from .sentinel import Sentinel, adopt_early
-from .transport import WAITING, Handle, Transport
 
 FLOOR = 60.0
 FACTOR = 10.0

@@ -3,7 +3,7 @@
 
 Usage (docs/benchmarks.md, "Against GRACE"):
     git clone https://github.com/sands-lab/grace /tmp/grace
-    .venv/bin/python launch/grace-compare.py --grace /tmp/grace [--sizes 4M,16M] [--repeat 5]
+    .venv/bin/python benchmarks/grace-compare.py --grace /tmp/grace [--sizes 4M,16M] [--repeat 5]
 
 GRACE is read from the checkout given, for this measurement only: psgrad neither vendors nor
 imports it. For every size and pair of the same method:
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from psgrad.allocator import keep_freed_memory
 from psgrad.bench import codecbench
 from psgrad.codecs import make_codec
 from psgrad.comm import wire
+from psgrad.runtime.allocator import keep_freed_memory
 
 # psgrad spec, GRACE module, GRACE class, constructor arguments
 PAIRS = (
