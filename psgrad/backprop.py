@@ -23,7 +23,7 @@ from .models.layout import in_layout, map_tensors, memory_format
 from .models.step import StepStart
 
 if TYPE_CHECKING:  # the interface only: backprop itself needs no MPI
-    from .comm.transport import StackedCompute
+    from .comm.transport import SharedPass
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,19 +98,19 @@ class Backprop:
         model: nn.Module,
         loss_fn: Callable,
         device: torch.device,
-        stacked: StackedCompute | None = None,
+        shared_pass: SharedPass | None = None,
     ) -> None:
-        """``stacked``: the rank's ``StackedMember`` when ``psgrad simulate`` computes its workers as
-        one model (``transport.stacked_member()``); it is used without micro-batches and --amp."""
+        """``shared_pass``: the pass this rank computes together with others, when its transport
+        has one (``Transport.shared_pass``); it is used without micro-batches and --amp."""
         self.cfg, self.model, self.loss_fn, self.device = cfg, model, loss_fn, device
         self.layout = memory_format(cfg.memory_format, device)
         self.step_start = StepStart(model)
         self.scale = LossScale(cfg.amp == "fp16")
         self.pushing = True
-        self.stacked = stacked if cfg.accumulate == 1 and cfg.amp == "off" else None
-        self.waited = 0.0  # seconds the last run slept while the other workers computed (stacked)
-        if self.stacked is not None:
-            self.stacked.join(model, loss_fn)
+        self.shared_pass = shared_pass if cfg.accumulate == 1 and cfg.amp == "off" else None
+        self.waited = 0.0  # seconds of the last run spent waiting, not computing (a shared pass's turn)
+        if self.shared_pass is not None:
+            self.shared_pass.join(model, loss_fn)
 
     @property
     def hooks_may_send(self) -> bool:
@@ -131,18 +131,18 @@ class Backprop:
         (``pushing``). Returns the batch's mean loss.
 
         ``after_first_forward`` runs once, between the first forward and its backward (workers
-        finish their pulls and post the next ones there). With a stacked compute it runs first,
-        then the stacked pass sets the gradients (no hook fires: the roles send every layer after
+        finish their pulls and post the next ones there). With a shared pass it runs first, then
+        the shared pass sets the gradients (no hook fires: the roles send every layer after
         backward); ``idle`` runs while this rank waits for the others to hand in their batches.
-        The time it slept beyond its share of the pass is ``waited`` (a wait, not compute)."""
+        The time it spent there beyond its share of the pass is ``waited`` (a wait, not compute)."""
         self.step_start()
         self.waited = 0.0
-        if self.stacked is not None:
+        if self.shared_pass is not None:
             after_first_forward()
             start = time.perf_counter()
-            loss = self.stacked.run(self.batch(images), to_device(labels, self.device), idle)
+            loss = self.shared_pass.run(self.batch(images), to_device(labels, self.device), idle)
             if loss is not None:
-                self.waited = max(0.0, time.perf_counter() - start - self.stacked.share)
+                self.waited = max(0.0, time.perf_counter() - start - self.shared_pass.share)
                 return loss
             after_first_forward = _nothing
         k = self.cfg.accumulate

@@ -439,8 +439,8 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
     from .runtime.allocator import keep_freed_memory
     from .runtime.signals import launched_ranks
-    from .simulate import simulate as run_simulation
-    from .simulate import world_size
+    from .sim.simulate import simulate as run_simulation
+    from .sim.simulate import world_size
     from .startup import AgreementError
 
     if launched_ranks() > 1:

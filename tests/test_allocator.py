@@ -73,7 +73,7 @@ def test_the_library_leaves_the_allocator_alone(monkeypatch):
     tuning it is the caller's choice (the psgrad command makes it for its own process)."""
     import psgrad.runtime.allocator as allocator
     from psgrad.config import RunConfig
-    from psgrad.simulate import simulate
+    from psgrad.sim.simulate import simulate
 
     monkeypatch.setattr(allocator, "_state", None)
     simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every=0, timeout=60), 1)

@@ -84,7 +84,7 @@ def test_bf16_autocast_trains_close_to_fp32():
     [
         ({"amp": "fp16"}, "add --on-nonfinite skip"),
         ({"accumulate": 16, "batch_size": 8}, "--batch-size 8 is smaller"),
-        ({"amp": "fp8"}, "--amp must be off, bf16 or fp16"),
+        ({"amp": "fp8"}, "--amp must be one of off, bf16, fp16"),
         ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be >= 0"),
     ],
 )

@@ -68,21 +68,22 @@ FLOORS = [
             "psgrad.choices",
             "psgrad.settings",
             "psgrad.comm.layout",
-            "psgrad.comm.deferred_mpi",
+            "psgrad.sim.deferred_mpi",
+            "psgrad.sim",
             "psgrad.runtime.segments",
             "psgrad.runtime.chain",
         ],
     ),
-    (1, ["psgrad.feedback", "psgrad.comm.wire", "psgrad.roles"]),
+    (1, ["psgrad.feedback", "psgrad.comm.wire", "psgrad.comm.envelope", "psgrad.roles"]),
     (2, ["psgrad.comm.protocol", "psgrad.config", "psgrad.optim", "psgrad.metrics", "psgrad.comm.transport"]),
-    (2, ["psgrad.comm.local", "psgrad.accuracy"]),
-    (3, ["psgrad.backprop", "psgrad.stacked"]),
+    (2, ["psgrad.sim.local", "psgrad.accuracy"]),
+    (3, ["psgrad.backprop", "psgrad.sim.stacked"]),
     (1, ["psgrad.runtime.sentinel", "psgrad.runtime.signals", "psgrad.runtime"]),
     (2, ["psgrad.checkpoint", "psgrad.runtime.watchdog"]),
     (3, ["psgrad.context", "psgrad.startup"]),
     (4, ["psgrad.engine"]),
     (5, sorted(ROLE_ENGINES)),
-    (6, ["psgrad.train", "psgrad.simulate"]),
+    (6, ["psgrad.train", "psgrad.sim.simulate"]),
     (7, ["psgrad.options", "psgrad.plot"]),
     (8, ["psgrad.bench"]),
     (9, ["psgrad.cli", "psgrad.clidoc"]),
@@ -136,10 +137,10 @@ def test_roles_never_import_each_other():
 
 def test_only_transport_imports_mpi():
     """comm/transport.py is the one module that imports mpi4py's MPI (which starts MPI unless told
-    otherwise); comm/deferred_mpi.py imports only the package, to tell it that."""
+    otherwise); sim/deferred_mpi.py imports only the package, to tell it that."""
     users = sorted(n for n, imports in MODULES.items() if any(m.startswith("mpi4py") for m in imports))
-    assert users == ["psgrad.comm.deferred_mpi", "psgrad.comm.transport"]
-    tree = ast.parse((ROOT / "comm" / "deferred_mpi.py").read_text())
+    assert users == ["psgrad.comm.transport", "psgrad.sim.deferred_mpi"]
+    tree = ast.parse((ROOT / "sim" / "deferred_mpi.py").read_text())
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "mpi4py"]
 
 
@@ -181,3 +182,12 @@ print(json.dumps({"helped": helped, "torch": "torch" in sys.modules}))
     seen = json.loads(result.stdout)
     assert {"", "train", "simulate", "bench", "codecs"} <= set(seen["helped"])
     assert not seen["torch"], "building the command line imported torch"
+
+
+def test_the_engines_know_nothing_of_simulation():
+    """psgrad simulate's ranks reach the engines through their transport (``shared_pass``): no
+    engine and not Backprop names the simulation or its stacked pass."""
+    for path in [*(ROOT / "engine").glob("*.py"), ROOT / "backprop.py"]:
+        text = path.read_text().lower()
+        for word in ("simulat", "stacked", "psgrad.sim"):
+            assert word not in text, f"{path.relative_to(ROOT)} mentions {word!r}"

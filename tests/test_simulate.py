@@ -23,11 +23,11 @@ from conftest import interrupt_when, metrics_rows, run_bounded, run_local_ranks,
 
 from psgrad import data as datasets
 from psgrad.cli import main
-from psgrad.comm.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
 from psgrad.comm.transport import PeerFailure
 from psgrad.config import RunConfig
 from psgrad.data import load_cifar, make_synthetic
-from psgrad.simulate import simulate, world_size
+from psgrad.sim.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
+from psgrad.sim.simulate import simulate, world_size
 
 SMALL = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "16", "--dataset", "synthetic"]
 
@@ -130,16 +130,16 @@ def test_stacked_groups_side_by_side_train_as_unstacked(topology, monkeypatch):
     ones)."""
     import threading
 
-    import psgrad.stacked
+    import psgrad.sim.stacked
 
     ran_on: list[tuple[str, int]] = []
-    run = psgrad.stacked.StackedPass.run
+    run = psgrad.sim.stacked.StackedPass.run
 
     def recorded(self, inputs, labels, loss_fn):
         ran_on.append((threading.current_thread().name, len(inputs)))
         return run(self, inputs, labels, loss_fn)
 
-    monkeypatch.setattr(psgrad.stacked.StackedPass, "run", recorded)
+    monkeypatch.setattr(psgrad.sim.stacked.StackedPass, "run", recorded)
     cfg = RunConfig(
         model="convnet", batch_size=8, steps=3, codec="none", topology=topology, progress=False, timeout=60,
         eval_every=0,
@@ -610,7 +610,7 @@ def test_ranks_that_all_wait_for_each_other_are_stopped():
 
 def test_more_cores_than_the_process_may_use_are_run_with_a_note(monkeypatch):
     """--cores above the cores this process may use is honoured (the ranks share them) and said."""
-    import psgrad.simulate
+    import psgrad.sim.simulate
 
     asked: list = []
     monkeypatch.setattr(psgrad.simulate, "simulate", lambda cfg, workers, cores, stack: asked.append(cores))
@@ -660,7 +660,7 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
     collective completed: none goes on to build its model) and simulate raises MemoryError with
     what to change, instead of the kernel's OOM killer ending the process without a word."""
     import psgrad.memory
-    import psgrad.simulate
+    import psgrad.sim.simulate
 
     monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (100 << 20, 24 << 30))
     steps_run = []
@@ -674,12 +674,12 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
         simulate(cfg, 2, cores=1, loss_fn=counted_loss, stack=False)
     assert len(steps_run) < 2 * 2000  # the two workers did not train on to the end
     assert "[psgrad] stopping: only 0.1 GiB of the machine's 24.0 GiB of memory is left" in capfd.readouterr().err
-    watch = psgrad.simulate.MemoryWatch(3)
+    watch = psgrad.sim.simulate.MemoryWatch(3)
     assert watch() is not None
     monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (1 << 30, 24 << 30))  # 4 %: above 3 %
     monkeypatch.setattr(psgrad.memory, "resident", lambda: 5 << 30)
-    assert psgrad.simulate.MemoryWatch(3)() is None
-    watch, resident = psgrad.simulate.MemoryWatch(3), [5 << 30]
+    assert psgrad.sim.simulate.MemoryWatch(3)() is None
+    watch, resident = psgrad.sim.simulate.MemoryWatch(3), [5 << 30]
     monkeypatch.setattr(psgrad.memory, "resident", lambda: resident[0])
     resident[0] += 200 << 20
     assert watch() is None  # one growth of 200 MiB: a one-off, not expected again
@@ -747,7 +747,7 @@ def test_simulate_starts_no_mpi(tmp_path):
     step. Also: no MPI is running after a simulation in a fresh interpreter."""
     probe = (
         "from psgrad.config import RunConfig\n"
-        "from psgrad.simulate import simulate\n"
+        "from psgrad.sim.simulate import simulate\n"
         "simulate(RunConfig(model='mlp', steps=2, progress=False, eval_every=0), 2)\n"
         "from mpi4py import MPI\n"
         "print('MPI started:', MPI.Is_initialized())\n"

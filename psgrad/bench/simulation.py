@@ -38,7 +38,7 @@ from ..config import RunConfig
 from ..data import ShardLoader
 from ..models import build_model
 from ..runtime.allocator import keep_freed_memory
-from ..simulate import simulate
+from ..sim.simulate import simulate
 from .baselines import train_rows
 from .codecbench import cpu_name
 from .launcher import item_config

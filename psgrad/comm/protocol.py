@@ -16,6 +16,7 @@ from torch import nn
 from ..codecs import Codec, Message, make_codec
 from ..feedback import NoFeedback
 from . import wire
+from .envelope import Envelope
 
 # ---------------------------------------------------------------------- tags
 TAG_CONTROL = 1  # worker -> server: stats, BatchNorm buffers and stop, in the order sent
@@ -195,20 +196,16 @@ def encode_gradient(
     if problem is not None and on_nonfinite == "abort":
         raise NonFiniteError(problem)
     if problem is not None and rounds == 1:
-        msg = _EXACT.encode(torch.zeros_like(grad))
-        msg.meta["skip"] = 1
+        payload = _EXACT.encode(torch.zeros_like(grad))
     elif layer.compress:
         if problem is not None:
             grad = torch.zeros_like(grad)
         shared = feedback.codec.shares_randomness
         seed = message_seed(run_seed, step, layer.index, SHARED_STREAM if shared else stream)
-        msg = feedback.encode(layer.name, grad, seed)
-        if problem is not None:
-            msg.meta["skip"] = 1
+        payload = feedback.encode(layer.name, grad, seed)
     else:
-        msg = _EXACT.encode(grad)
-    msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, sender
-    return msg
+        payload = _EXACT.encode(grad)
+    return Envelope("grad", layer.name, step, sender).seal(payload, skip=problem is not None)
 
 
 def layer_rounds(codec: Codec, layer: Layer) -> int:
@@ -227,19 +224,8 @@ def code_message(
     layer: Layer, round_: int, arrays: dict[str, torch.Tensor], codec: Codec, step: int, sender: int, skip: bool = False
 ) -> Message:
     """A server's reply to one round of a multi-round codec: the aggregated code (kind ``code``)."""
-    meta: dict = {"round": round_, **({"skip": 1} if skip else {})}
-    return Message(
-        codec.name,
-        dict(codec.params),
-        layer.shape,
-        "float32",
-        arrays,
-        kind="code",
-        step=step,
-        layer=layer.name,
-        sender=sender,
-        meta=meta,
-    )
+    payload = Message(codec.name, dict(codec.params), layer.shape, "float32", arrays, meta={"round": round_})
+    return Envelope("code", layer.name, step, sender, round_).seal(payload, skip=skip)
 
 
 def layer_values(params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
@@ -290,9 +276,7 @@ def control_message(op: str, sender: int, step: int = 0, **meta) -> Message:
 
 def tensor_message(kind: str, layer: str, step: int, sender: int, flat: torch.Tensor) -> Message:
     """An exact fp32 message (BatchNorm buffers, a server's values)."""
-    msg = _EXACT.encode(flat)
-    msg.kind, msg.step, msg.layer, msg.sender = kind, step, layer, sender
-    return msg
+    return Envelope(kind, layer, step, sender).seal(_EXACT.encode(flat))
 
 
 # ---------------------------------------------------------------------- step statistics

@@ -28,11 +28,13 @@ Idle = Callable[[], bool]
 """Work to do while a wait has nothing to show (a colocated server's polling); True when it did some."""
 
 
-class StackedCompute(Protocol):
-    """A worker's part in one forward and backward computed for every worker of a process
-    (``psgrad.stacked.StackedMember``, under ``psgrad simulate --stack``)."""
+class SharedPass(Protocol):
+    """A forward and backward that a rank hands over to be computed together with other ranks'
+    (the transport decides whether it has one: ``Transport.shared_pass``). ``run`` returns the
+    batch's loss once this rank's gradients are set, or None when the pass cannot take the batch
+    (the rank then computes it itself)."""
 
-    share: float  # seconds: this worker's share of the last pass
+    share: float  # seconds: this rank's share of the last pass (the rest of its time there was waiting)
 
     def join(self, model, loss_fn: Callable) -> None: ...
 
@@ -190,7 +192,7 @@ class Transport:
     """Point-to-point and collective non-blocking messaging on one communicator."""
 
     separate_processes = True
-    """Each rank is a process of its own (comm/local.py's ranks share one)."""
+    """Each rank is a process of its own (an in-process transport's ranks share one)."""
 
     def __init__(self, comm: MPI.Comm | None = None) -> None:
         start_mpi()
@@ -203,8 +205,8 @@ class Transport:
         # per thread: a colocated rank's serving thread polls beside its worker (--serve-thread)
         self._scratch = threading.local()
 
-    def stacked_member(self) -> StackedCompute | None:
-        """No stacked compute across processes (only ``psgrad simulate`` has one: comm/local.py)."""
+    def shared_pass(self) -> SharedPass | None:
+        """The pass this rank computes together with others, if any: none across processes."""
         return None
 
     def dup(self) -> Transport:
@@ -402,7 +404,7 @@ def mpi_library() -> str:
 
 def start_mpi() -> None:
     """Initialise MPI at thread level multiple, unless it runs already: mpi4py does that when it is
-    imported, except in a process that imported ``comm.deferred_mpi`` first (``psgrad simulate``)."""
+    imported, except in a process that imported ``sim.deferred_mpi`` first (``psgrad simulate``)."""
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
 

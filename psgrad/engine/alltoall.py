@@ -22,6 +22,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
+from ..comm.envelope import Envelope
 from ..comm.protocol import (
     GradientGate,
     Layer,
@@ -67,7 +68,7 @@ class PeerRole(Role):
         self.bytes_comm = ctx.transport.dup()
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.stacked_member())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.shared_pass())
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = ctx.make_optimizer()
         self.doing = "starting"
@@ -143,18 +144,7 @@ class PeerRole(Role):
                 msg = wire.loads(view[begin : begin + size], max_bytes=self.bounds[layer.index], shape=layer.shape)
             except wire.WireError as err:
                 raise RuntimeError(f"alltoall: malformed message from rank {peer}: {err}") from None
-            round_ = entry.round if multi else 0
-            if (
-                msg.kind != "grad"
-                or msg.layer != layer.name
-                or msg.step != self.step_index
-                or msg.sender != peer
-                or msg.meta.get("round", 0) != round_
-            ):
-                raise RuntimeError(
-                    f"alltoall: rank {peer} sent {msg.layer!r} step {msg.step} round {msg.meta.get('round', 0)}; "
-                    f"expected {layer.name!r} step {self.step_index} round {round_}"
-                )
+            Envelope("grad", layer.name, self.step_index, peer, entry.round if multi else 0).check(msg)
             if msg.meta.get("skip"):
                 self.skipping.add(layer.index)
             if multi:  # summed in code space, in rank order
@@ -172,9 +162,8 @@ class PeerRole(Role):
         codec = self.feedback.codec
         reply = codec.reduce(round_, code_sum, self.size)
         if round_ < self.rounds[layer.index]:
-            msg = self.feedback.advance(layer.name, layer.shape, round_, reply)
-            msg.kind, msg.step, msg.layer, msg.sender = "grad", self.step_index, layer.name, self.rank
-            self._ready(layer.index, round_ + 1, msg)
+            payload = self.feedback.advance(layer.name, layer.shape, round_, reply)
+            self._ready(layer.index, round_ + 1, Envelope("grad", layer.name, self.step_index, self.rank).seal(payload))
             return
         grad = self.feedback.finish(layer.name, reply, applied=layer.index not in self.skipping)
         self.acc[layer.index].copy_(grad)
@@ -219,7 +208,7 @@ class PeerRole(Role):
         end = time.perf_counter()
         s = self.stats
         s.loss = loss
-        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for the exchange
+        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
         s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode - waited
         s.push_wait, s.apply, s.step_time = waited + t_wait - t_bwd - s.decode, end - t_wait, end - start
         return s

@@ -33,6 +33,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
+from ..comm.envelope import Envelope
 from ..comm.protocol import (
     GradientGate,
     Layer,
@@ -63,7 +64,7 @@ class GossipRole(Role):
         # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.stacked_member())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.shared_pass())
         self.optimizer = ctx.make_optimizer()
         self.codec, self.exact = make_codec(self.cfg.codec), make_codec("none")
         self.feedback = ctx.make_feedback()
@@ -122,11 +123,7 @@ class GossipRole(Role):
             decode_start = time.perf_counter()
             layer = self.layers[index]
             msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
-            if msg.kind != "grad" or msg.layer != layer.name or msg.step != step or msg.sender != j:
-                raise RuntimeError(
-                    f"{self.cfg.topology}: rank {j} sent {msg.kind} {msg.layer!r} step {msg.step}; "
-                    f"expected {layer.name!r} step {step}"
-                )
+            Envelope("grad", layer.name, step, j).check(msg)
             self._codec(layer).decode_add(msg, self.public[(j, index)])
             s.decode += time.perf_counter() - decode_start
         t_recv = time.perf_counter()
@@ -139,7 +136,7 @@ class GossipRole(Role):
                     copy_flat_into(self.params_by_name, layer.params, x)
         self.world.wait_all(self.sends)
         end = time.perf_counter()
-        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for the exchange
+        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
         s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - in_hooks - waited
         s.push_wait = waited + (t_recv - t_sent) - s.decode
         s.apply += end - t_recv
@@ -165,10 +162,9 @@ class GossipRole(Role):
         mine = self.public[(self.rank, layer.index)]
         seed = message_seed(self.cfg.seed, step, layer.index, self.rank)
         codec = self._codec(layer)
-        msg = codec.encode(torch.sub(x, mine).view(layer.shape), seed=seed)
-        codec.decode_add(msg, mine)
-        msg.kind, msg.step, msg.layer, msg.sender = "grad", step, layer.name, self.rank
-        data = wire.dumps(msg)
+        payload = codec.encode(torch.sub(x, mine).view(layer.shape), seed=seed)
+        codec.decode_add(payload, mine)
+        data = wire.dumps(Envelope("grad", layer.name, step, self.rank).seal(payload))
         s.bytes_up += len(data) * len(self.neighbours)
         self.sends += [self.world.isend(data, j, layer_tag(layer.index)) for j in self.neighbours]
         self.sends = self.world.progress(self.sends)

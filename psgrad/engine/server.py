@@ -41,6 +41,7 @@ from torch import nn
 
 from ..codecs import Codec, Message, make_codec
 from ..comm import wire
+from ..comm.envelope import Envelope
 from ..comm.protocol import (
     SERVER_STREAM,
     SHARED_STREAM,
@@ -177,23 +178,19 @@ class ServerBase:
         """Send ``layer`` to ``workers``: its value (exact, or --down-codec none) or its encoded change."""
         step = self.layer_step[layer.index]
         if not self.send_deltas or not layer.compress or self.rounds[layer.index] > 1:
-            msg = self.exact_codec.encode(self.values[layer.index].view(layer.shape))
-            msg.kind = "params"
+            kind, payload = "params", self.exact_codec.encode(self.values[layer.index].view(layer.shape))
         elif exact:
-            msg = self.exact_codec.encode(self._shadow_of(layer, workers).view(layer.shape))
-            msg.kind = "params"
+            kind, payload = "params", self.exact_codec.encode(self._shadow_of(layer, workers).view(layer.shape))
         else:
             shadow = self._shadow_of(layer, workers)
             # a codec that shares its randomness sends the coordinates the workers' messages used
             stream = SHARED_STREAM if self.down_codec.shares_randomness else SERVER_STREAM
             seed = message_seed(self.cfg.seed, step, layer.index, stream)
             change = torch.sub(self.values[layer.index], shadow, out=self.scratch[layer.index])
-            msg = self.down_codec.encode(change.view(layer.shape), seed=seed)
+            kind, payload = "delta", self.down_codec.encode(change.view(layer.shape), seed=seed)
             # the same decode_add the workers run on their parameters: the shadow stays bit-exact
-            self.down_codec.decode_add(msg, shadow)
-            msg.kind = "delta"
-        msg.step, msg.layer, msg.sender = step, layer.name, self.rank
-        self._deliver(layer, msg, workers)
+            self.down_codec.decode_add(payload, shadow)
+        self._deliver(layer, Envelope(kind, layer.name, step, self.rank).seal(payload), workers)
 
     def _deliver(self, layer: Layer, msg: Message, workers: list[int]) -> None:
         """Send ``msg`` about ``layer`` to ``workers``: encoded once, handed over on this rank."""
@@ -297,14 +294,7 @@ class ServerBase:
         return self.codecs[key]
 
     def _check_grad(self, worker: int, layer: Layer, msg: Message, expected: int, round_: int = 0) -> None:
-        if msg.kind != "grad" or msg.layer != layer.name or msg.step != expected or tuple(msg.shape) != layer.shape:
-            raise RuntimeError(
-                f"rank {worker} sent {msg.kind} for {msg.layer!r} step {msg.step} shape {tuple(msg.shape)}; expected grad for {layer.name!r} step {expected} shape {layer.shape}"
-            )
-        if msg.meta.get("round", 0) != round_:
-            raise RuntimeError(
-                f"rank {worker} sent round {msg.meta.get('round', 0)} of {layer.name!r} step {expected}; expected round {round_}"
-            )
+        Envelope("grad", layer.name, expected, worker, round_).check(msg, shape=layer.shape)
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         raise NotImplementedError

@@ -32,6 +32,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import Message, make_codec
 from ..comm import wire
+from ..comm.envelope import Envelope
 from ..comm.protocol import (
     TAG_CONTROL,
     GradientGate,
@@ -65,7 +66,7 @@ class Worker:
         self.metrics_rank = ctx.layout.server_ranks[0]
         self.servers = ctx.layout.server_ranks
         self.params = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device, ctx.transport.stacked_member())
+        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device, ctx.transport.shared_pass())
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
@@ -175,8 +176,8 @@ class Worker:
                 start = time.perf_counter()
                 worked, layer, round_ = True, self.layers[index], self.awaiting.pop(index)
                 self._check_reply(layer, reply, ("code",), round_)
-                msg = self.feedback.advance(layer.name, layer.shape, round_, reply.arrays)
-                msg.kind, msg.step, msg.layer, msg.sender = "grad", self.pull_step - 1, layer.name, self.rank
+                payload = self.feedback.advance(layer.name, layer.shape, round_, reply.arrays)
+                msg = Envelope("grad", layer.name, self.pull_step - 1, self.rank).seal(payload)
                 if round_ + 1 < self.rounds[index]:
                     self.awaiting[index] = round_ + 1
                 if self.pulls[index] is not None:
@@ -217,17 +218,7 @@ class Worker:
         self._apply_pull(layer, msg, start)
 
     def _check_reply(self, layer: Layer, msg: Message, kinds: tuple[str, ...], round_: int = 0) -> None:
-        if (
-            msg.kind not in kinds
-            or msg.layer != layer.name
-            or msg.step != self.pull_step
-            or msg.sender != layer.owner
-            or msg.meta.get("round", 0) != round_
-        ):
-            raise RuntimeError(
-                f"expected {'/'.join(kinds)} of {layer.name!r} for step {self.pull_step} (round {round_}) from rank "
-                f"{layer.owner}, got {msg.kind} {msg.layer!r} step {msg.step} (round {msg.meta.get('round', 0)}) from rank {msg.sender}"
-            )
+        Envelope(kinds[0], layer.name, self.pull_step, layer.owner, round_).check(msg, kinds=kinds)
 
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
         if msg.kind == "code":
@@ -354,7 +345,7 @@ class Worker:
         s.loss = loss
         s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
         # coding and serving are counted inside the phases they interrupted: take them out
-        waited = self.backprop.waited  # the other simulated workers' turn: a wait, as for a push
+        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
         s.backward = max(0.0, (t_bwd - t_fwd) - encode_in_backward - serve_in_backward - waited)
         s.push_wait = waited + max(0.0, (end - t_bwd) - (s.encode - encode_in_backward) - (s.serve - serve_in_backward))
         s.step_time = end - start

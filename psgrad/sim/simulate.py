@@ -31,18 +31,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, memory
-from .comm import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
-from .comm.local import LocalTransport, LocalWorld, Meeting
-from .config import RunConfig
-from .context import LossFn
-from .data import shared_loads
-from .metrics import say
-from .optim import OptimizerFn
-from .roles import topology_of
-from .runtime.signals import stop_reason
+from .. import checkpoint, memory
+from ..config import RunConfig
+from ..context import LossFn
+from ..data import shared_loads
+from ..metrics import say
+from ..optim import OptimizerFn
+from ..roles import topology_of
+from ..runtime.signals import stop_reason
+from ..train import RunResult, run
+from . import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
+from .local import LocalTransport, LocalWorld, Meeting
 from .stacked import StackedWorkers
-from .train import RunResult, run
 
 DEFAULT_STALL = 60.0
 

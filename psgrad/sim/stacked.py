@@ -43,12 +43,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from . import memory
-from .comm.local import Meeting, OtherRankFailed
-from .comm.transport import Idle
-from .metrics import say
-from .models.layout import in_layout, layout_of
-from .models.step import StepStart
+from .. import memory
+from ..comm.transport import Idle
+from ..metrics import say
+from ..models.layout import in_layout, layout_of
+from ..models.step import StepStart
+from .local import Meeting, OtherRankFailed
 
 _STACKABLE = (nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.Linear)
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..comm.transport import Handle, Idle, Patience, PeerFailure, SharedPass, Transport
 from ..metrics import say
-from .transport import Handle, Idle, Patience, PeerFailure, StackedCompute, Transport
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
 _BLOCK = 0.5  # seconds a wait sleeps without news before it polls again (and checks for a stall)
@@ -342,8 +342,8 @@ class LocalTransport(Transport):
     def library(self) -> str:
         return "none (psgrad simulate: every rank in one process)"
 
-    def stacked_member(self) -> StackedCompute | None:
-        """This rank's part in the simulation's stacked compute (``psgrad.stacked``), if it has one."""
+    def shared_pass(self) -> SharedPass | None:
+        """This rank's part in the simulation's stacked compute (``sim.stacked``), if it has one."""
         stacked = self.world.stacked
         return None if stacked is None else stacked.member(self.rank)
 
