@@ -2,7 +2,7 @@
 before click and the rest of the command line are imported.
 
 Under a multi-rank launch a Ctrl-C (SIGINT) ends the rank by the signal itself until the command
-starts, where ``cli._Commands.invoke`` gives it back to Python. Why: Python's own handler raises
+starts, where ``runtime.job.run_command`` gives it back to Python. Why: Python's own handler raises
 KeyboardInterrupt wherever the signal lands; in an import or in click's parsing of the options
 the rank then exited with status 1 (a traceback, or click's "Aborted!") before MPI started, and
 the other ranks waited for it in MPI's start-up for ever (1 of 40 runs of the start-up signal

@@ -86,7 +86,7 @@ FLOORS = [
     (6, ["psgrad.train", "psgrad.sim.simulate"]),
     (7, ["psgrad.options", "psgrad.plot"]),
     (8, ["psgrad.bench"]),
-    (9, ["psgrad.cli", "psgrad.clidoc"]),
+    (9, ["psgrad.cli", "psgrad.clidoc", "psgrad.runtime.job"]),
     (10, ["psgrad.entry", "psgrad.__main__"]),
 ]
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import run_local_ranks
 from torch import nn
 
-from psgrad.sim import stacked as stacked_module
 from psgrad.models import build_model
+from psgrad.sim import stacked as stacked_module
 from psgrad.sim.local import LocalWorld, Meeting, OtherRankFailed
 from psgrad.sim.stacked import StackedPass, StackError, stack_inputs
 

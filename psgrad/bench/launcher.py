@@ -286,6 +286,7 @@ def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
 def orchestrate(
     cfg: RunConfig,
     items: list[str],
+    *,
     steps: int,
     warmup: int,
     repeat: int,
@@ -574,8 +575,9 @@ def plot_bars(rows: list[BenchRow], path: str, title: str = "") -> None:
 def report(
     rows: list[BenchRow],
     header: str,
-    json_path: str | None,
-    plot_path: str | None,
+    *,
+    json_path: str | None = None,
+    plot_path: str | None = None,
     out=sys.stdout,
     target: float | None = None,
     wide: bool = False,
