@@ -95,6 +95,7 @@ class Backprop:
     def __init__(
         self,
         cfg: RunConfig,
+        *,
         model: nn.Module,
         loss_fn: Callable,
         device: torch.device,

@@ -135,6 +135,7 @@ class RunContext:
         cls,
         cfg: RunConfig,
         transport: Transport,
+        *,
         model_fn: Callable[[], nn.Module] | None = None,
         loader_fn: Callable[[int, int], object] | None = None,
         eval_data: Iterable | None = None,
@@ -156,11 +157,17 @@ class RunContext:
             )
         named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         layers = plan_layers(
-            named, cfg.granularity, layout.server_ranks, cfg.bucket_vectors, cost=_coded_bytes(cfg.codec)
+            named,
+            granularity=cfg.granularity,
+            owners=layout.server_ranks,
+            bucket_vectors=cfg.bucket_vectors,
+            cost=_coded_bytes(cfg.codec),
         )
         transport.check_tag(layer_tag(len(layers)))
         label = cfg.dataset_label if loader_fn is None else "custom data"
-        loader, test_set = _data(cfg, transport, layout, loader_fn, eval_data is None)
+        loader, test_set = _data(
+            cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None
+        )
         # collective on every rank (--device may differ per rank): a server counts in no GPU index
         local_worker = transport.local_rank(group=int(layout.is_worker(rank)))
         # every rank agrees on the steps per epoch: the mean of the workers' shards
@@ -204,12 +211,12 @@ class RunContext:
             cfg.save(cfg.log_dir, _run_facts(self.transport))
         self.log = MetricsLog(
             cfg.log_dir,
-            self.total,
-            self.start,
-            self.steps_per_epoch,
-            f"psgrad {self.label} {cfg.topology}",
-            cfg.tensorboard,
-            cfg.progress,
+            total_steps=self.total,
+            start_step=self.start,
+            steps_per_epoch=self.steps_per_epoch,
+            label=f"psgrad {self.label} {cfg.topology}",
+            tensorboard=cfg.tensorboard,
+            progress=cfg.progress,
             keep_all_rows=keep_all_rows,
         )
 
@@ -456,7 +463,14 @@ class Role:
 
 def load_split(cfg: RunConfig, split: str) -> ImageSet:
     """``split`` ("train" or "test") of ``cfg``'s dataset: read (CIFAR) or generated from its seed."""
-    return load_dataset(cfg.dataset, split, cfg.data_dir, cfg.synthetic_classes, cfg.synthetic_samples, cfg.seed)
+    return load_dataset(
+        cfg.dataset,
+        split,
+        data_dir=cfg.data_dir,
+        synthetic_classes=cfg.synthetic_classes,
+        synthetic_size=cfg.synthetic_samples,
+        seed=cfg.seed,
+    )
 
 
 def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> T | None:
@@ -472,7 +486,7 @@ def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> 
 
 
 def _data(
-    cfg: RunConfig, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
+    cfg: RunConfig, *, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> tuple[object | None, ImageSet | None]:
     """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
     caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be
@@ -490,7 +504,14 @@ def _data(
             else:
                 train = load_split(cfg, "train")
                 loader = ShardLoader(
-                    train, cfg.dataset, index, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment
+                    train,
+                    dataset=cfg.dataset,
+                    worker=index,
+                    workers=workers,
+                    batch_size=cfg.batch_size,
+                    seed=cfg.seed,
+                    partition=cfg.partition,
+                    augment=cfg.augment,
                 )
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
 

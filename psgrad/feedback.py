@@ -95,6 +95,7 @@ class DGCMemory(NoFeedback):
     def __init__(
         self,
         codec: Codec,
+        *,
         momentum: float = 0.9,
         nesterov: bool = False,
         clip_norm: float | None = None,

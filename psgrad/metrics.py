@@ -129,6 +129,7 @@ class MetricsLog:
     def __init__(
         self,
         log_dir: str | None,
+        *,
         total_steps: int,
         start_step: int,
         steps_per_epoch: int,

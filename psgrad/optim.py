@@ -24,6 +24,7 @@ class LayerOptimizer:
     def __init__(
         self,
         kind: str = "sgd",
+        *,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
@@ -40,7 +41,7 @@ class LayerOptimizer:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LayerOptimizer:
-        return cls(cfg.optimizer, cfg.momentum, cfg.sgd_nesterov, cfg.weight_decay)
+        return cls(cfg.optimizer, momentum=cfg.momentum, nesterov=cfg.sgd_nesterov, weight_decay=cfg.weight_decay)
 
     def step(self, key: str, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """One update of ``param`` with ``grad``.

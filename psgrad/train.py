@@ -48,13 +48,13 @@ class RunResult:
 
 def run(
     cfg: RunConfig,
+    *,
     model_fn: Callable[[], nn.Module] | None = None,
     loader_fn: Callable[[int, int], object] | None = None,
     eval_data: Iterable | None = None,
     loss_fn: LossFn = F.cross_entropy,
     transport: Transport | None = None,
     optimizer_fn: OptimizerFn | None = None,
-    *,
     keep_all_rows: bool = False,
 ) -> RunResult:
     """Train under MPI: call on every rank (``mpiexec -n 3 python my_script.py``).
@@ -86,9 +86,21 @@ def run(
         role = where.get("role")
         return Report(role.doing if role else "setting up", where.get("slowest", 0.0))
 
-    watchdog = Watchdog(transport, report, layout.role_name, cfg.timeout, cfg.log_dir).start()
+    watchdog = Watchdog(
+        transport, report=report, names=layout.role_name, timeout=cfg.timeout, claim_dir=cfg.log_dir
+    ).start()
     try:
-        result = _run(cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport, where, keep_all_rows)
+        result = _run(
+            cfg,
+            model_fn=model_fn,
+            loader_fn=loader_fn,
+            eval_data=eval_data,
+            loss_fn=loss_fn,
+            optimizer_fn=optimizer_fn,
+            transport=transport,
+            where=where,
+            keep_all_rows=keep_all_rows,
+        )
     except BaseException as err:
         if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
             raise
@@ -152,9 +164,26 @@ def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
 
 
 def _run(
-    cfg, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn, transport: Transport, where: dict, keep_all_rows: bool
+    cfg,
+    *,
+    model_fn,
+    loader_fn,
+    eval_data,
+    loss_fn,
+    optimizer_fn,
+    transport: Transport,
+    where: dict,
+    keep_all_rows: bool,
 ) -> RunResult:
-    ctx = RunContext.build(cfg, transport, model_fn, loader_fn, eval_data, loss_fn, optimizer_fn)
+    ctx = RunContext.build(
+        cfg,
+        transport,
+        model_fn=model_fn,
+        loader_fn=loader_fn,
+        eval_data=eval_data,
+        loss_fn=loss_fn,
+        optimizer_fn=optimizer_fn,
+    )
     role = where["role"] = topology_of(cfg.topology).make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)

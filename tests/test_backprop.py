@@ -16,7 +16,12 @@ def _setup(seed: int = 0, **options):
     model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
     images, labels = torch.randn(8, 12), torch.randint(0, 5, (8,))
     cfg = RunConfig(model="mlp", batch_size=8, **options)
-    return Backprop(cfg, model, nn.functional.cross_entropy, torch.device("cpu")), model, images, labels
+    return (
+        Backprop(cfg, model=model, loss_fn=nn.functional.cross_entropy, device=torch.device("cpu")),
+        model,
+        images,
+        labels,
+    )
 
 
 def _grads(model: nn.Module) -> torch.Tensor:
@@ -112,7 +117,10 @@ def test_inputs_need_not_be_one_tensor():
         inputs = {"a": torch.randn(6, 4), "b": (torch.randn(6, 6),)}
         labels = torch.randint(0, 5, (6,))
         backprop = Backprop(
-            RunConfig(batch_size=6, accumulate=k), model, nn.functional.cross_entropy, torch.device("cpu")
+            RunConfig(batch_size=6, accumulate=k),
+            model=model,
+            loss_fn=nn.functional.cross_entropy,
+            device=torch.device("cpu"),
         )
         backprop.run(inputs, labels, lambda: None)
         grads.append(_grads(model))
@@ -122,7 +130,12 @@ def test_inputs_need_not_be_one_tensor():
 def test_each_run_starts_in_training_mode_with_fresh_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
-    backprop = Backprop(RunConfig(model="mlp", batch_size=8), model, nn.functional.cross_entropy, torch.device("cpu"))
+    backprop = Backprop(
+        RunConfig(model="mlp", batch_size=8),
+        model=model,
+        loss_fn=nn.functional.cross_entropy,
+        device=torch.device("cpu"),
+    )
     images, labels = torch.randn(8, 12), torch.randint(0, 5, (8,))
     backprop.run(images, labels, lambda: None)
     model[1].eval()  # a module left in eval mode while the root trains
@@ -157,8 +170,8 @@ def test_memory_format_sets_the_image_layout_and_not_the_gradient(name, channels
         torch.manual_seed(0)
         model = _Recorder()
         backprop = Backprop(
-            RunConfig(batch_size=6, accumulate=2, memory_format=fmt), model, nn.functional.cross_entropy,
-            torch.device("cpu"),
+            RunConfig(batch_size=6, accumulate=2, memory_format=fmt), model=model, loss_fn=nn.functional.cross_entropy,
+            device=torch.device("cpu"),
         )  # fmt: skip
         torch.manual_seed(1)
         backprop.run(torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,)), lambda: None)

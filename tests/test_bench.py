@@ -264,7 +264,9 @@ def test_bench_runs_keep_every_metrics_row(monkeypatch):
     monkeypatch.setattr(metrics, "ROWS_KEPT", 5)
     kept = {}
     for keep_all in (True, False):
-        log = metrics.MetricsLog(None, 12, 0, 4, "test", progress=False, keep_all_rows=keep_all)
+        log = metrics.MetricsLog(
+            None, total_steps=12, start_step=0, steps_per_epoch=4, label="test", progress=False, keep_all_rows=keep_all
+        )
         for step in range(12):
             log.step({"step": step, "loss": 1.0, "it_per_s": 1.0, "bytes_up": 0, "bytes_down": 0, "wall": float(step)})
         kept[keep_all] = [r["step"] for r in log.rows]
@@ -273,7 +275,7 @@ def test_bench_runs_keep_every_metrics_row(monkeypatch):
     seen = {}
     monkeypatch.setattr("psgrad.train.run", lambda cfg, **kw: seen.update(cfg=cfg, **kw))
     with pytest.raises(AttributeError):  # the stub returns no result; the config is what matters
-        launcher.run_item("none", RunConfig(), 3, 0)
+        launcher.run_item("none", RunConfig(), steps=3, warmup=0)
     assert seen["keep_all_rows"] is True
 
 
@@ -321,7 +323,13 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     optimizer = torch.optim.SGD(model.parameters(), lr=99.0)
     seen = []
     rows, evals = train_rows(
-        RunConfig(), model, Loader(), optimizer, 3, lambda: 0, lambda s: seen.append(s) or 0.01 * (s + 1)
+        RunConfig(),
+        model,
+        loader=Loader(),
+        optimizer=optimizer,
+        steps=3,
+        bytes_of_step=lambda: 0,
+        lr_at=lambda s: seen.append(s) or 0.01 * (s + 1),
     )
     assert len(rows) == 3 and evals == [] and seen == [0, 1, 2]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03)
@@ -397,7 +405,7 @@ def test_the_progress_bar_shows_the_rate_of_the_last_steps_not_of_one():
     read 2 then 32 it/s; the bar divides the last ten steps by their wall-clock time."""
     from psgrad import metrics
 
-    log = metrics.MetricsLog(None, 30, 0, 4, "test", progress=True)
+    log = metrics.MetricsLog(None, total_steps=30, start_step=0, steps_per_epoch=4, label="test", progress=True)
     walls = [0.5 * (step // 2) + 0.01 * (step % 2) for step in range(30)]  # pairs of steps 10 ms apart
     for step, wall in enumerate(walls):
         gap = wall - walls[step - 1] if step else 0.5

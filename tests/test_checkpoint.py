@@ -114,14 +114,16 @@ def test_a_resumed_log_appends_in_the_columns_its_metrics_file_already_has(tmp_p
         writer = csv.DictWriter(f, fieldnames=old)
         writer.writeheader()
         writer.writerow({c: 0 for c in old})
-    log = MetricsLog(str(tmp_path), 4, 1, 4, "test", progress=False)
+    log = MetricsLog(str(tmp_path), total_steps=4, start_step=1, steps_per_epoch=4, label="test", progress=False)
     log.step({"step": 1, "loss": 0.5, "load": 0.25, "it_per_s": 2.0, "bytes_up": 7, "bytes_down": 0, "wall": 1.0})
     log.close()
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[1]) == old
     assert (rows[1]["step"], rows[1]["loss"], rows[1]["bytes_up"], rows[1]["wall"]) == ("1", "0.5", "7", "1.0")
-    fresh = MetricsLog(str(tmp_path / "new"), 4, 0, 4, "test", progress=False)
+    fresh = MetricsLog(
+        str(tmp_path / "new"), total_steps=4, start_step=0, steps_per_epoch=4, label="test", progress=False
+    )
     fresh.close()
     assert "load" in (tmp_path / "new" / "metrics.csv").read_text().splitlines()[0].split(",")
 
@@ -137,7 +139,7 @@ def test_a_resumed_log_keeps_the_steps_before_its_checkpoint_once(tmp_path):
     def row(step: int) -> dict:
         return {"step": step, "loss": 1.0 / (step + 1), "it_per_s": 2.0, "bytes_up": 7, "bytes_down": 0, "wall": step}
 
-    first = MetricsLog(str(tmp_path), 10, 0, 4, "test", progress=False)
+    first = MetricsLog(str(tmp_path), total_steps=10, start_step=0, steps_per_epoch=4, label="test", progress=False)
     for step in range(10):
         first.step(row(step))
     for step in (3, 7):
@@ -147,7 +149,7 @@ def test_a_resumed_log_keeps_the_steps_before_its_checkpoint_once(tmp_path):
     first.close()
     with open(tmp_path / "metrics.csv", "a") as f:
         f.write("10,0.1")  # the row being written when the job was killed
-    resumed = MetricsLog(str(tmp_path), 12, 6, 4, "test", progress=False)
+    resumed = MetricsLog(str(tmp_path), total_steps=12, start_step=6, steps_per_epoch=4, label="test", progress=False)
     for step in range(6, 12):
         resumed.step(row(step))
     resumed.evaluation({"step": 11, "epoch": 3.0, "test_loss": 0.5, "test_acc": 0.75, "dataset": "synthetic"})

@@ -159,7 +159,7 @@ def test_randomized_svd_on_large_matrices():
     spectrum = 0.7 ** torch.arange(256.0)
     matrix = (u * spectrum) @ v.T
     gen = torch.Generator().manual_seed(3)
-    uk, sk, vk = top_singular_triplets(matrix, 2, gen)
+    uk, sk, vk = top_singular_triplets(matrix, 2, generator=gen)
     torch.testing.assert_close(sk, spectrum[:2], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close((uk * sk) @ vk, (u[:, :2] * spectrum[:2]) @ v[:, :2].T, rtol=1e-3, atol=1e-4)
     # the same seed gives the same message
@@ -437,7 +437,10 @@ def test_shared_randomk_keeps_values_at_coordinates_every_worker_shares():
     layer = Layer(3, "w", (1000,), ("w",), 0)
     for spec, same in [("randomk:ratio=0.1,shared=1", True), ("randomk:ratio=0.1", False)]:
         feedback = NoFeedback(make_codec(spec))
-        a, b = (encode_gradient(feedback, layer, torch.randn(1000), 7, sender, sender, 0) for sender in (1, 2))
+        a, b = (
+            encode_gradient(feedback, layer, torch.randn(1000), step=7, sender=sender, stream=sender, run_seed=0)
+            for sender in (1, 2)
+        )
         assert (a.seed == b.seed) == same, spec
     assert make_codec("randomk:ratio=0.1,shared=1").feedback_safe and not make_codec("randomk:ratio=0.1").feedback_safe
 

@@ -26,9 +26,13 @@ def test_nonfinite_gradient_aborts_naming_step_rank_and_layer():
 
 def test_skip_sends_marked_zeros_and_leaves_the_feedback_memory_alone():
     feedback = make_feedback("ef", make_codec("sign"))
-    encode_gradient(feedback, LAYER, torch.randn(4, 5), 0, 2, 1, 0, "skip")  # a residual to keep
+    encode_gradient(
+        feedback, LAYER, torch.randn(4, 5), step=0, sender=2, stream=1, run_seed=0, on_nonfinite="skip"
+    )  # a residual to keep
     before = {k: v.clone() for k, v in feedback.state_dict().items()}
-    msg = encode_gradient(feedback, LAYER, torch.full((4, 5), float("nan")), 1, 2, 1, 0, "skip")
+    msg = encode_gradient(
+        feedback, LAYER, torch.full((4, 5), float("nan")), step=1, sender=2, stream=1, run_seed=0, on_nonfinite="skip"
+    )
     assert msg.meta["skip"] == 1 and msg.codec == "none" and msg.kind == "grad" and msg.step == 1
     assert torch.equal(make_codec("none").decode(msg), torch.zeros(4, 5))
     after = feedback.state_dict()

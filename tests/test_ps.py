@@ -412,22 +412,24 @@ def test_roles_and_plan():
     colocated = RankLayout(world=3, kind="colocated")
     assert colocated.server_ranks == colocated.worker_ranks == [0, 1, 2]
     assert RankLayout(world=3, kind="peers").server_ranks == []
-    layers = plan_layers([("a", (3, 4)), ("b", (4,))], "model", 1)
+    layers = plan_layers([("a", (3, 4)), ("b", (4,))], granularity="model", owners=1)
     assert len(layers) == 1 and layers[0].shape == (16,)
 
 
 def test_plan_buckets_vectors_first_and_uncompressed():
     named = [("conv.w", (4, 3, 3, 3)), ("bn.w", (4,)), ("bn.b", (4,)), ("fc.w", (10, 4)), ("fc.b", (10,))]
-    layers = plan_layers(named, "layer", 2, bucket_vectors=True)
+    layers = plan_layers(named, granularity="layer", owners=2, bucket_vectors=True)
     assert [(layer.name, layer.params, layer.compress) for layer in layers] == [
         ("__vectors__", ("bn.w", "bn.b", "fc.b"), False),
         ("conv.w", ("conv.w",), True),
         ("fc.w", ("fc.w",), True),
     ]
     assert layers[0].shape == (18,) and [layer.index for layer in layers] == [0, 1, 2]
-    plain = plan_layers(named, "layer", 2, bucket_vectors=False)
+    plain = plan_layers(named, granularity="layer", owners=2, bucket_vectors=False)
     assert [layer.name for layer in plain] == [n for n, _ in named] and all(layer.compress for layer in plain)
-    assert plan_layers([("w", (3, 3))], "layer", 1, bucket_vectors=True)[0].name == "w"  # no vectors, no bucket
+    assert (
+        plan_layers([("w", (3, 3))], granularity="layer", owners=1, bucket_vectors=True)[0].name == "w"
+    )  # no vectors, no bucket
 
 
 SMALL_NAMED = [("w", (4, 3)), ("b", (4,)), ("v", (3,))]
@@ -455,8 +457,8 @@ def _server(layers, rank: int = 0, servers: int = 1):
 
 
 def test_checkpoint_from_another_layer_plan_is_refused_clearly():
-    bucketed = plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=True)  # layer 0 = 7 vector values
-    plain = plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=False)  # layer 0 = the 12 weights
+    bucketed = plan_layers(SMALL_NAMED, granularity="layer", owners=1, bucket_vectors=True)  # layer 0 = 7 vector values
+    plain = plan_layers(SMALL_NAMED, granularity="layer", owners=1, bucket_vectors=False)  # layer 0 = the 12 weights
     state = _server(bucketed).state_dict()
     _server(bucketed).load_state_dict(state)  # the same plan loads
     with pytest.raises(ValueError, match="does not fit this run's layer plan"):
@@ -467,7 +469,7 @@ def test_a_servers_report_of_what_it_does_follows_its_steps():
     """The failure and hang reports read ``doing``: a serving server's must name the step it waits
     for now, not the one it waited for when it was last driven through ``serve_until`` (a
     colocated rank's server part is polled from hooks only, and reported step 9 at step 14)."""
-    server = _server(plan_layers(SMALL_NAMED, "layer", 1, bucket_vectors=False))
+    server = _server(plan_layers(SMALL_NAMED, granularity="layer", owners=1, bucket_vectors=False))
     assert server.doing == "starting"
     server.doing = None  # serving
     server.completed_step = 8
@@ -476,7 +478,7 @@ def test_a_servers_report_of_what_it_does_follows_its_steps():
     assert server.doing == "waiting for messages (step 14)"
     server.doing = "evaluating after step 13"
     assert server.doing == "evaluating after step 13"
-    layers = plan_layers(SMALL_NAMED, "layer", 4, bucket_vectors=False)  # 3 layers over 4 servers
+    layers = plan_layers(SMALL_NAMED, granularity="layer", owners=4, bucket_vectors=False)  # 3 layers over 4 servers
     idle = [server for server in (_server(layers, rank, servers=4) for rank in range(4)) if not server.owned]
     assert len(idle) == 1
     idle = idle[0]

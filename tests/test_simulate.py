@@ -458,7 +458,9 @@ def test_a_failing_rank_ends_every_rank_with_its_own_error():
             raise Boom("no data for worker 1")
         from psgrad.data import ShardLoader, load_dataset
 
-        return ShardLoader(load_dataset("synthetic", "train"), "synthetic", index, workers, 8, 0)
+        return ShardLoader(
+            load_dataset("synthetic", "train"), dataset="synthetic", worker=index, workers=workers, batch_size=8, seed=0
+        )
 
     cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30)
     with pytest.raises(Boom, match="worker 1"):

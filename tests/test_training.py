@@ -152,11 +152,13 @@ def test_augmentation_crops_the_padded_image_at_the_drawn_offsets():
 
 def test_shards_are_disjoint_and_reshuffled():
     data = load_dataset("synthetic", "train", synthetic_size=256)
-    loaders = [ShardLoader(data, "synthetic", w, 2, 8, 0) for w in range(2)]
+    loaders = [ShardLoader(data, dataset="synthetic", worker=w, workers=2, batch_size=8, seed=0) for w in range(2)]
     first = [set(loader._order_for(0).tolist()) for loader in loaders]
     assert not first[0] & first[1] and len(first[0]) == 128
     assert loaders[0]._order_for(1).tolist() != sorted(first[0]) and set(loaders[0]._order_for(1).tolist()) != first[0]
-    contiguous = ShardLoader(data, "synthetic", 1, 2, 8, 0, "contiguous")
+    contiguous = ShardLoader(
+        data, dataset="synthetic", worker=1, workers=2, batch_size=8, seed=0, partition="contiguous"
+    )
     assert set(contiguous._order_for(0).tolist()) == set(range(128, 256)) == set(contiguous._order_for(3).tolist())
 
 

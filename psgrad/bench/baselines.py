@@ -46,7 +46,16 @@ def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
     data = load_split(cfg, "train")
-    loader = ShardLoader(data, cfg.dataset, worker, workers, cfg.batch_size, cfg.seed, cfg.partition, cfg.augment)
+    loader = ShardLoader(
+        data,
+        dataset=cfg.dataset,
+        worker=worker,
+        workers=workers,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        partition=cfg.partition,
+        augment=cfg.augment,
+    )
     return model, loader
 
 
@@ -62,7 +71,7 @@ def _ring_bytes(elements: int, workers: int) -> int:
 
 
 def train_rows(
-    cfg: RunConfig, model, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None
+    cfg: RunConfig, model, *, loader, optimizer, steps: int, bytes_of_step, lr_at, evaluate=None
 ) -> tuple[list[dict], list[dict]]:
     """Train ``steps`` steps at the run's schedule (``lr_at(step)``, the same as psgrad's servers
     use), batches in the layout psgrad's workers use (``--memory-format``); ``evaluate(step)``
@@ -164,7 +173,9 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
-        rows, _ = train_rows(cfg, model, loader, optimizer_for(model), steps, lambda: 0, lr_at)
+        rows, _ = train_rows(
+            cfg, model, loader=loader, optimizer=optimizer_for(model), steps=steps, bytes_of_step=lambda: 0, lr_at=lr_at
+        )
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
@@ -196,7 +207,16 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
                 return _ring_bytes(elements, workers)
 
         evaluate = _evaluator(cfg, model, test, steps)
-        rows, evals = train_rows(cfg, ddp, loader, optimizer_for(ddp), steps, step_bytes, lr_at, evaluate)
+        rows, evals = train_rows(
+            cfg,
+            ddp,
+            loader=loader,
+            optimizer=optimizer_for(ddp),
+            steps=steps,
+            bytes_of_step=step_bytes,
+            lr_at=lr_at,
+            evaluate=evaluate,
+        )
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
     finally:
         dist.destroy_process_group()

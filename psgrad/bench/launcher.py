@@ -163,7 +163,7 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
 
 
 def run_item(
-    item: str, cfg: RunConfig, steps: int, warmup: int, powersgd_rank: int = 2, target: float | None = None
+    item: str, cfg: RunConfig, *, steps: int, warmup: int, powersgd_rank: int = 2, target: float | None = None
 ) -> dict | None:
     """Run one item (codec or baseline) on every rank of this MPI job; rank 0 gets the measurement.
 
@@ -204,13 +204,13 @@ def run_item(
 
 
 def run_in_mpi(
-    cfg: RunConfig, specs: list[str], steps: int, warmup: int, repeat: int, target: float | None = None
+    cfg: RunConfig, specs: list[str], *, steps: int, warmup: int, repeat: int, target: float | None = None
 ) -> dict[str, list[dict]]:
     """Every rank of the current MPI job calls this; rank 0 gets {spec: [measurement per round]}."""
     results: dict[str, list[dict]] = {s: [] for s in specs}
     for _ in range(repeat):
         for spec in specs:
-            m = run_item(spec, cfg, steps, warmup, target=target)
+            m = run_item(spec, cfg, steps=steps, warmup=warmup, target=target)
             if m is not None:
                 results[spec].append(m)
     return results
@@ -371,7 +371,14 @@ def _child(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     cfg = RunConfig.from_json(json.dumps(job["config"]))
     try:
-        m = run_item(job["item"], cfg, job["steps"], job["warmup"], job["powersgd_rank"], job["target"])
+        m = run_item(
+            job["item"],
+            cfg,
+            steps=job["steps"],
+            warmup=job["warmup"],
+            powersgd_rank=job["powersgd_rank"],
+            target=job["target"],
+        )
     except AgreementError:  # one rank said why (an unreadable dataset, say): the job's last line
         finalize_and_exit(2)
     if m is not None:
@@ -396,6 +403,7 @@ def busiest_link(m: dict, topology: str, baseline: bool, servers: int, workers: 
 
 def summarize(
     results: dict[str, list[dict]],
+    *,
     servers: int = 1,
     workers: int = 2,
     bandwidth_bits: int | None = None,

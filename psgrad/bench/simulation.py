@@ -60,9 +60,20 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     from ..context import load_split  # here, not above: ..simulate first keeps MPI from starting at import
 
     data = load_split(cfg, "train")
-    loader = ShardLoader(data, cfg.dataset, 0, 1, total_batch, cfg.seed, cfg.partition, cfg.augment)
+    loader = ShardLoader(
+        data,
+        dataset=cfg.dataset,
+        worker=0,
+        workers=1,
+        batch_size=total_batch,
+        seed=cfg.seed,
+        partition=cfg.partition,
+        augment=cfg.augment,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    rows, _ = train_rows(cfg, model, loader, optimizer, steps, lambda: 0, lambda step: cfg.lr)
+    rows, _ = train_rows(
+        cfg, model, loader=loader, optimizer=optimizer, steps=steps, bytes_of_step=lambda: 0, lr_at=lambda step: cfg.lr
+    )
     timed = rows[WARMUP:]
     rate = 1.0 / statistics.median(row["load"] + row["step_time"] for row in timed)
     return rate, statistics.median(row["load"] for row in timed)

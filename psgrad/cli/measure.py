@@ -351,11 +351,13 @@ def _bench_inside_mpi(cfg, specs: list[str], *, warmup: int, repeat: int, header
     from ..bench import launcher as bench_module
     from ..comm.transport import Transport
 
-    results = bench_module.run_in_mpi(cfg, specs, cfg.steps, warmup, repeat, report["target"])
+    results = bench_module.run_in_mpi(
+        cfg, specs, steps=cfg.steps, warmup=warmup, repeat=repeat, target=report["target"]
+    )
     if Transport().rank != 0:
         return
     size = Transport().size
-    rows = bench_module.summarize(results, cfg.servers, size - cfg.servers)
+    rows = bench_module.summarize(results, servers=cfg.servers, workers=size - cfg.servers)
     bench_module.report(rows, header + f"{size} ranks in one job, loopback", **report)
 
 
@@ -397,7 +399,11 @@ def _bench_by_launcher(
         raise click.ClickException(str(err)) from None
     topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
     rows = bench_module.summarize(
-        results, cfg.servers, workers, parse_rate(bandwidth) if bandwidth else None, topologies
+        results,
+        servers=cfg.servers,
+        workers=workers,
+        bandwidth_bits=parse_rate(bandwidth) if bandwidth else None,
+        topologies=topologies,
     )
     where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
     bench_module.report(

@@ -35,7 +35,7 @@ def atomo_probabilities(sigma: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def top_singular_triplets(
-    matrix: torch.Tensor, rank: int, generator: torch.Generator, oversample: int = 8, power_iters: int = 2
+    matrix: torch.Tensor, rank: int, *, generator: torch.Generator, oversample: int = 8, power_iters: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``rank`` largest singular triplets, by a seeded randomized range finder when that is cheaper.
 
@@ -89,7 +89,7 @@ class SVDCodec(Codec):
             return {"u": flat.new_zeros(rows, 0), "s": flat.new_zeros(0), "v": flat.new_zeros(0, cols)}
         rank = int(self.params["rank"])
         if not self.params["sample"]:
-            u, s, vh = top_singular_triplets(flat.view(rows, cols), rank, _bits.generator(seed, flat.device))
+            u, s, vh = top_singular_triplets(flat.view(rows, cols), rank, generator=_bits.generator(seed, flat.device))
             return {"u": u.contiguous(), "s": s.contiguous(), "v": vh.contiguous()}
         # ATOMO sampling needs every singular value
         u, s, vh = torch.linalg.svd(flat.view(rows, cols), full_matrices=False)

@@ -70,6 +70,7 @@ class Layer:
 
 def plan_layers(
     named_shapes: list[tuple[str, tuple[int, ...]]],
+    *,
     granularity: str,
     owners: list[int] | int,
     bucket_vectors: bool = False,
@@ -177,6 +178,7 @@ def encode_gradient(
     feedback: NoFeedback,
     layer: Layer,
     grad: torch.Tensor,
+    *,
     step: int,
     sender: int,
     stream: int,
@@ -221,7 +223,14 @@ def add_code(total: dict[str, torch.Tensor], msg: Message) -> None:
 
 
 def code_message(
-    layer: Layer, round_: int, arrays: dict[str, torch.Tensor], codec: Codec, step: int, sender: int, skip: bool = False
+    layer: Layer,
+    round_: int,
+    arrays: dict[str, torch.Tensor],
+    *,
+    codec: Codec,
+    step: int,
+    sender: int,
+    skip: bool = False,
 ) -> Message:
     """A server's reply to one round of a multi-round codec: the aggregated code (kind ``code``)."""
     payload = Message(codec.name, dict(codec.params), layer.shape, "float32", arrays, meta={"round": round_})
@@ -274,7 +283,7 @@ def control_message(op: str, sender: int, step: int = 0, **meta) -> Message:
     return Message("none", {}, (0,), "float32", {}, kind="control", step=step, sender=sender, meta={"op": op, **meta})
 
 
-def tensor_message(kind: str, layer: str, step: int, sender: int, flat: torch.Tensor) -> Message:
+def tensor_message(kind: str, layer: str, *, step: int, sender: int, flat: torch.Tensor) -> Message:
     """An exact fp32 message (BatchNorm buffers, a server's values)."""
     return Envelope(kind, layer, step, sender).seal(_EXACT.encode(flat))
 

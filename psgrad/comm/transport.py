@@ -235,14 +235,16 @@ class Transport:
         self.bytes_sent += len(data)
         return self._handle(request, data, dest, tag, key, count=len(data))
 
-    def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
+    def irecv(
+        self, nbytes: int, source: int, tag: int, *, key: object = None, buffer: bytearray | None = None
+    ) -> Handle:
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         request = self.comm.Irecv([buf, nbytes, MPI.BYTE], source=source, tag=tag)
         return self._handle(request, buf, source, tag, key)
 
     def repost(self, handle: Handle) -> Handle:
         """Post the same receive again into the same buffer (after its payload was consumed)."""
-        return self.irecv(len(handle.buffer), handle.peer, handle.tag, handle.key, handle.buffer)
+        return self.irecv(len(handle.buffer), handle.peer, handle.tag, key=handle.key, buffer=handle.buffer)
 
     def test_some(self, handles: Sequence[Handle]) -> list[int]:
         """Indices of the handles that completed now (each is reported once)."""

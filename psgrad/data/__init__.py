@@ -37,6 +37,7 @@ __all__ = [
 def load_dataset(
     name: str,
     split: str,
+    *,
     data_dir: str = "data",
     synthetic_classes: int = 10,
     synthetic_size: int = 2048,
@@ -49,14 +50,22 @@ def load_dataset(
         if _shared.depth:
             if args not in _shared.sets:
                 try:
-                    _shared.sets[args] = _load(*args)
+                    _shared.sets[args] = _load_args(args)
                 except (DataError, FileNotFoundError) as err:
                     _shared.sets[args] = err
             found = _shared.sets[args]
             if isinstance(found, Exception):
                 raise type(found)(*found.args)
             return found
-    return _load(*args)
+    return _load_args(args)
+
+
+def _load_args(args: tuple) -> ImageSet:
+    """``_load`` of the arguments tuple that keys the shared sets."""
+    name, split, data_dir, synthetic_classes, synthetic_size, seed = args
+    return _load(
+        name, split, data_dir=data_dir, synthetic_classes=synthetic_classes, synthetic_size=synthetic_size, seed=seed
+    )
 
 
 class _SharedSets:
@@ -90,7 +99,7 @@ def shared_loads() -> Iterator[None]:
                 _shared.sets = {}
 
 
-def _load(name: str, split: str, data_dir: str, synthetic_classes: int, synthetic_size: int, seed: int) -> ImageSet:
+def _load(name: str, split: str, *, data_dir: str, synthetic_classes: int, synthetic_size: int, seed: int) -> ImageSet:
     if name in GENERATED:
         size = synthetic_size if split == "train" else max(256, synthetic_size // 4)
         return GENERATED[name](synthetic_classes, size, seed, split)
@@ -155,6 +164,7 @@ class ShardLoader:
     def __init__(
         self,
         data: ImageSet,
+        *,
         dataset: str,
         worker: int,
         workers: int,

@@ -68,7 +68,9 @@ class PeerRole(Role):
         self.bytes_comm = ctx.transport.dup()
         self.rank, self.size = ctx.rank, ctx.transport.size
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.shared_pass())
+        self.backprop = Backprop(
+            self.cfg, model=self.model, loss_fn=ctx.loss_fn, device=ctx.device, shared_pass=ctx.transport.shared_pass()
+        )
         self.order = sorted(range(len(self.layers)), reverse=True)  # backward produces the last layers first
         self.optimizer = ctx.make_optimizer()
         self.doing = "starting"
@@ -93,7 +95,14 @@ class PeerRole(Role):
     def _encode(self, layer: Layer, grad: torch.Tensor) -> None:
         start = time.perf_counter()
         msg = encode_gradient(
-            self.feedback, layer, grad, self.step_index, self.rank, self.rank, self.cfg.seed, self.cfg.on_nonfinite
+            self.feedback,
+            layer,
+            grad,
+            step=self.step_index,
+            sender=self.rank,
+            stream=self.rank,
+            run_seed=self.cfg.seed,
+            on_nonfinite=self.cfg.on_nonfinite,
         )
         self.stats.nonfinite += int(bool(msg.meta.get("skip")))
         self._ready(layer.index, 1, msg)
@@ -240,4 +249,6 @@ class PeerRole(Role):
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
-        load_replica_state(state, self.params_by_name, self.model, self.backprop, self.optimizer)
+        load_replica_state(
+            state, params=self.params_by_name, model=self.model, backprop=self.backprop, optimizer=self.optimizer
+        )

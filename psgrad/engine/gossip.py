@@ -64,7 +64,9 @@ class GossipRole(Role):
         # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
         self.params_by_name = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, ctx.device, ctx.transport.shared_pass())
+        self.backprop = Backprop(
+            self.cfg, model=self.model, loss_fn=ctx.loss_fn, device=ctx.device, shared_pass=ctx.transport.shared_pass()
+        )
         self.optimizer = ctx.make_optimizer()
         self.codec, self.exact = make_codec(self.cfg.codec), make_codec("none")
         self.feedback = ctx.make_feedback()
@@ -104,7 +106,7 @@ class GossipRole(Role):
             for j in self.neighbours:
                 for layer in self.layers:
                     recvs[(j, layer.index)] = self.world.irecv(
-                        self.bounds[layer.index], j, layer_tag(layer.index), (j, layer.index)
+                        self.bounds[layer.index], j, layer_tag(layer.index), key=(j, layer.index)
                     )
 
         s.loss = self.backprop.run(images, labels, post_receives)
@@ -216,7 +218,9 @@ class GossipRole(Role):
         return {"public": {f"{j}/{i}": v for (j, i), v in self.public.items()}, **state}
 
     def load_state_dict(self, state: dict) -> None:
-        load_replica_state(state, self.params_by_name, self.model, self.backprop, self.optimizer)
+        load_replica_state(
+            state, params=self.params_by_name, model=self.model, backprop=self.backprop, optimizer=self.optimizer
+        )
         for key, value in state["public"].items():
             j, i = (int(part) for part in key.split("/"))
             if (j, i) not in self.public:

@@ -58,7 +58,7 @@ def replica_state(params: dict[str, torch.Tensor], model: torch.nn.Module, backp
 
 
 def load_replica_state(
-    state: dict, params: dict[str, torch.Tensor], model: torch.nn.Module, backprop: Backprop, optimizer
+    state: dict, *, params: dict[str, torch.Tensor], model: torch.nn.Module, backprop: Backprop, optimizer
 ) -> None:
     """Restore what ``replica_state`` saved."""
     optimizer.load_state_dict(state["optim"])

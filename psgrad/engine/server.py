@@ -144,7 +144,7 @@ class ServerBase:
 
     # ------------------------------------------------------------------ posting
     def _post(self, key: object, nbytes: int, source: int, tag: int) -> None:
-        self.pending[key] = self.transport.irecv(nbytes, source, tag, key)
+        self.pending[key] = self.transport.irecv(nbytes, source, tag, key=key)
 
     def start(self) -> None:
         """Post every receive and send the starting parameters to every worker."""
@@ -168,7 +168,7 @@ class ServerBase:
         if not self.owned:
             return
         flat = torch.cat([self.values[layer.index] for layer in self.owned])
-        msg = tensor_message("params", VALUES_LAYER, step, self.rank, flat)
+        msg = tensor_message("params", VALUES_LAYER, step=step, sender=self.rank, flat=flat)
         self.sends.append(self.transport.isend(wire.dumps(msg), self.metrics_rank, TAG_VALUES))
 
     def _shadow_of(self, layer: Layer, workers: list[int]) -> torch.Tensor:
@@ -293,7 +293,7 @@ class ServerBase:
             self.codecs[key] = make_codec(msg.codec, **msg.params)
         return self.codecs[key]
 
-    def _check_grad(self, worker: int, layer: Layer, msg: Message, expected: int, round_: int = 0) -> None:
+    def _check_grad(self, worker: int, layer: Layer, msg: Message, *, expected: int, round_: int = 0) -> None:
         Envelope("grad", layer.name, expected, worker, round_).check(msg, shape=layer.shape)
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
@@ -418,7 +418,7 @@ class SyncServer(ServerBase):
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         index = layer.index
-        self._check_grad(worker, layer, msg, self.layer_step[index], self.round.get(index, 0))
+        self._check_grad(worker, layer, msg, expected=self.layer_step[index], round_=self.round.get(index, 0))
         held = self.held[index]
         held[worker] = msg
         start = time.perf_counter()
@@ -457,14 +457,18 @@ class SyncServer(ServerBase):
         step = self.layer_step[index] + 1  # the replies bring the workers' layer to this step
         if round_ < self.rounds[index]:
             self.round[index] += 1
-            self._deliver(layer, code_message(layer, round_, reply, codec, step, self.rank), self.workers)
+            self._deliver(
+                layer, code_message(layer, round_, reply, codec=codec, step=step, sender=self.rank), self.workers
+            )
             return False
         grad = codec.gradient(self.code_replies.pop(index))
         what = f"step {msg.step}: the gradient sum of {layer.name!r} on server rank {self.rank}"
         skip = skip_update(grad, what, self.cfg.on_nonfinite, index in self.skipping)
         self._apply(layer, grad, msg.step, skip=skip)
         self.round[index] = 1
-        self._deliver(layer, code_message(layer, round_, reply, codec, step, self.rank, skip=skip), self.workers)
+        self._deliver(
+            layer, code_message(layer, round_, reply, codec=codec, step=step, sender=self.rank, skip=skip), self.workers
+        )
         return True
 
 
@@ -485,7 +489,7 @@ class AsyncServer(ServerBase):
         return self.shadow[(layer.index, workers[0])]
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
-        self._check_grad(worker, layer, msg, self.worker_step[worker])
+        self._check_grad(worker, layer, msg, expected=self.worker_step[worker])
         start = time.perf_counter()
         grad = torch.zeros(layer.numel)
         self._codec(msg).decode_add(msg, grad, alpha=1.0 / self.num_workers)

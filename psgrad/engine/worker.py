@@ -66,7 +66,9 @@ class Worker:
         self.metrics_rank = ctx.layout.server_ranks[0]
         self.servers = ctx.layout.server_ranks
         self.params = dict(self.model.named_parameters())
-        self.backprop = Backprop(self.cfg, self.model, ctx.loss_fn, self.device, ctx.transport.shared_pass())
+        self.backprop = Backprop(
+            self.cfg, model=self.model, loss_fn=ctx.loss_fn, device=self.device, shared_pass=ctx.transport.shared_pass()
+        )
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
         self.down_codec = make_codec(self.cfg.down_codec)
         self.exact_codec = make_codec("none")
@@ -139,8 +141,8 @@ class Worker:
                     self.bounds[layer.index],
                     layer.owner,
                     layer_tag(layer.index),
-                    layer.index,
-                    self.buffers[layer.index],
+                    key=layer.index,
+                    buffer=self.buffers[layer.index],
                 )
 
     def _receive(self, index: int, block: bool) -> Message | None:
@@ -182,7 +184,7 @@ class Worker:
                     self.awaiting[index] = round_ + 1
                 if self.pulls[index] is not None:
                     self.pulls[index] = self.transport.irecv(
-                        self.bounds[index], layer.owner, layer_tag(index), index, self.buffers[index]
+                        self.bounds[index], layer.owner, layer_tag(index), key=index, buffer=self.buffers[index]
                     )
                 self.stats.encode += time.perf_counter() - start
                 self._send(layer, msg)
@@ -267,7 +269,14 @@ class Worker:
         """Encode ``grad`` of ``layer`` (feedback -> codec) and send it to its server."""
         start = time.perf_counter()
         msg = encode_gradient(
-            self.feedback, layer, grad, self.step, self.rank, self.stream, self.cfg.seed, self.cfg.on_nonfinite
+            self.feedback,
+            layer,
+            grad,
+            step=self.step,
+            sender=self.rank,
+            stream=self.stream,
+            run_seed=self.cfg.seed,
+            on_nonfinite=self.cfg.on_nonfinite,
         )
         self.stats.nonfinite += int(bool(msg.meta.get("skip")))
         self.sent.add(layer.index)
@@ -368,7 +377,8 @@ class Worker:
     def send_buffers(self, step: int) -> None:
         """BatchNorm statistics to the metrics rank, which averages them over workers before evaluating."""
         self._control(
-            tensor_message("buffers", BUFFERS_LAYER, step, self.rank, buffers_vector(self.model)), self.metrics_rank
+            tensor_message("buffers", BUFFERS_LAYER, step=step, sender=self.rank, flat=buffers_vector(self.model)),
+            self.metrics_rank,
         )
 
     def final_params(self) -> dict[str, torch.Tensor]:

@@ -65,6 +65,7 @@ class Watchdog:
     def __init__(
         self,
         transport: Transport,
+        *,
         report: Callable[[], Report],
         names: Callable[[int], str],
         timeout: float = 0.0,

@@ -363,7 +363,9 @@ class LocalTransport(Transport):
         handle.finished = time.perf_counter()
         return handle
 
-    def irecv(self, nbytes: int, source: int, tag: int, key: object = None, buffer: bytearray | None = None) -> Handle:
+    def irecv(
+        self, nbytes: int, source: int, tag: int, *, key: object = None, buffer: bytearray | None = None
+    ) -> Handle:
         self.world.stop_if_halted()  # a server posts a buffer for every layer of every worker in one go
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         handle = LocalHandle(None, buf, source, tag, key, -1, self, world=self.world, rank=self.rank)

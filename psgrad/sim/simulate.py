@@ -88,6 +88,7 @@ class MemoryWatch:
 def simulate(
     cfg: RunConfig,
     workers: int,
+    *,
     model_fn: Callable[[], nn.Module] | None = None,
     loader_fn: Callable[[int, int], object] | None = None,
     eval_data: Iterable | None = None,
@@ -115,7 +116,15 @@ def simulate(
     def play(rank: int) -> None:
         world.enter(rank)
         try:
-            results[rank] = run(cfg, model_fn, loader_fn, eval_data, loss_fn, LocalTransport(world, rank), optimizer_fn)
+            results[rank] = run(
+                cfg,
+                model_fn=model_fn,
+                loader_fn=loader_fn,
+                eval_data=eval_data,
+                loss_fn=loss_fn,
+                transport=LocalTransport(world, rank),
+                optimizer_fn=optimizer_fn,
+            )
         except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread below
             if not getattr(err, "reported_elsewhere", False):
                 errors.append(err)

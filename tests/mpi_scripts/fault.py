@@ -29,7 +29,12 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 class FaultyLoader:
     def __init__(self, worker, workers):
         self.inner = ShardLoader(
-            load_dataset("synthetic", "train", synthetic_size=256), "synthetic", worker, workers, 8, 0
+            load_dataset("synthetic", "train", synthetic_size=256),
+            dataset="synthetic",
+            worker=worker,
+            workers=workers,
+            batch_size=8,
+            seed=0,
         )
         self.steps_per_epoch = self.inner.steps_per_epoch
         self.worker = worker

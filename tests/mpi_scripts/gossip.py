@@ -44,7 +44,10 @@ def check(topology: str, differ: bool) -> None:
         torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay) for m in models
     ]
     data = load_dataset("synthetic", "train", synthetic_size=256, seed=cfg.seed)
-    loaders = [ShardLoader(data, "synthetic", r, size, cfg.batch_size, cfg.seed) for r in range(size)]
+    loaders = [
+        ShardLoader(data, dataset="synthetic", worker=r, workers=size, batch_size=cfg.batch_size, seed=cfg.seed)
+        for r in range(size)
+    ]
     for step in range(STEPS):
         for m, opt, loader in zip(models, opts, loaders, strict=True):
             opt.zero_grad()

@@ -90,8 +90,16 @@ def check(flags: list[str]) -> None:
             model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=nesterov
         )
         data = load_dataset("synthetic", "train", synthetic_size=256, seed=cfg.seed)
-        loaders = [ShardLoader(data, "synthetic", w, workers, cfg.batch_size, cfg.seed) for w in range(workers)]
-        layers = plan_layers([(n, tuple(p.shape)) for n, p in model.named_parameters()], granularity, 1, bucket)
+        loaders = [
+            ShardLoader(data, dataset="synthetic", worker=w, workers=workers, batch_size=cfg.batch_size, seed=cfg.seed)
+            for w in range(workers)
+        ]
+        layers = plan_layers(
+            [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+            granularity=granularity,
+            owners=1,
+            bucket_vectors=bucket,
+        )
         params = dict(model.named_parameters())
         error: dict[str, list] = {}  # PowerSGD: each worker's error memory, and the shared Q
         q_of: dict[str, torch.Tensor] = {}

@@ -8,16 +8,19 @@ import time
 from pathlib import Path
 
 from psgrad.comm import transport
+from psgrad.runtime import job_end_hooks
 
 marker = Path(sys.argv[1])
 world = transport.Transport()
+hooks = job_end_hooks()
 if world.rank == world.size - 1:
-    goodbye = transport.farewell
+    goodbye = hooks["after_finalize"]
 
     def slow_farewell() -> None:
         time.sleep(1.5)
         marker.write_text("left\n")
         goodbye()
 
-    transport.farewell = slow_farewell
+    hooks["after_finalize"] = slow_farewell
+transport.on_job_end(**hooks)
 transport.finalize_and_exit(0)
