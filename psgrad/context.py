@@ -1,14 +1,16 @@
-"""The run context, built once per rank, and the interface every role implements.
+"""The run context, built once per rank and not changed after, and the interface every role
+implements.
 
 ``RunContext.build`` does, in order: settings -> rank layout -> model -> layer plan -> this
 rank's data shard -> steps -> resume state; ``open_log`` then writes config.json and opens the
 metrics log (rank 0), once a resumed state has loaded on every rank. Every role receives the same
-context, so no role wires up a model, codec, feedback or checkpoint path of its own.
+context, so no role wires up a model, codec, feedback, evaluation or checkpoint path of its own:
+evaluations are ``ctx.evaluations`` (psgrad.evaluation), checkpoints ``ctx.checkpoints``
+(psgrad.checkpointing).
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
 import importlib.metadata
 import math
@@ -17,8 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -26,17 +27,18 @@ from torch import nn
 
 from . import checkpoint
 from .accuracy import accuracy_note
+from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm import wire
 from .comm.layout import RankLayout
 from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .comm.transport import Transport
 from .config import RunConfig
-from .data import DataError, ImageSet, ShardLoader, eval_batches, load_dataset
+from .data import DataError, ImageSet, ShardLoader, load_dataset
+from .evaluation import Evaluations
 from .feedback import NoFeedback, make_feedback
-from .metrics import MetricsLog, say
+from .metrics import MetricsLog
 from .models import build_model
-from .models.layout import in_layout, memory_format
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 from .roles import topology_of
 from .startup import agree
@@ -66,21 +68,6 @@ class _IterLoader:
         return next(self._it)
 
 
-def evaluate(
-    model: nn.Module, batches: Iterable, loss_fn: LossFn, layout: torch.memory_format = torch.contiguous_format
-) -> tuple[float, float]:
-    """Mean loss and accuracy of ``model`` over ``batches``, its images in ``layout``."""
-    model.eval()
-    total, loss_sum, correct = 0, 0.0, 0
-    with torch.no_grad():
-        for images, labels in batches:
-            out = model(in_layout(images, layout))
-            loss_sum += float(loss_fn(out, labels)) * len(labels)
-            correct += int((out.argmax(1) == labels).sum())
-            total += len(labels)
-    return loss_sum / max(1, total), correct / max(1, total)
-
-
 def device_problem(cfg: RunConfig) -> str | None:
     """Why a worker on this node cannot have ``cfg.device``, or None."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -98,9 +85,11 @@ def _device(cfg: RunConfig, local_worker: int) -> torch.device:
     return torch.device("cuda", local_worker % torch.cuda.device_count())
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunContext:
-    """Everything a role needs, built once by ``build``."""
+    """Everything a role needs, built once by ``build`` and not changed after: the settings, the
+    rank's place, its model and layer plan, its data, the run's steps, the resumed state, and the
+    run's evaluations and checkpoints."""
 
     cfg: RunConfig
     transport: Transport
@@ -113,17 +102,12 @@ class RunContext:
     total: int
     start: int
     device: torch.device
+    evaluations: Evaluations
+    checkpoints: Checkpoints
     loader: object | None = None
     resume: dict | None = None
-    log: MetricsLog | None = None
-    eval_data: Iterable | None = None
     optimizer_fn: OptimizerFn | None = None
-    doing: str = "setting up"
     buffers_size: int = 0
-    _test_set: ImageSet | None = field(default=None, repr=False)
-    _eval_model: nn.Module | None = field(default=None, repr=False)
-    _evaluator: ThreadPoolExecutor | None = field(default=None, repr=False)
-    _evaluations: list[Future] = field(default_factory=list, repr=False)
 
     @property
     def rank(self) -> int:
@@ -142,19 +126,18 @@ class RunContext:
         loss_fn: LossFn | None = None,
         optimizer_fn: OptimizerFn | None = None,
     ) -> RunContext:
-        """Build this rank's context (collective: every rank calls it)."""
+        """Build this rank's context (collective: every rank calls it).
+
+        1. Threads, rank layout, and the model, from the same seed on every rank.
+        2. The layer plan, sharded over the serving ranks by coded bytes.
+        3. This rank's data (``_data``: the job stops here when a dataset cannot serve it).
+        4. The device, and the steps: per epoch agreed over ranks, in all from --steps or --epochs.
+        5. The resumed state, and the step the run starts at.
+        """
         torch.set_num_threads(cfg.threads)
         layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
         rank = transport.rank
-        with _GLOBAL_RNG:
-            torch.manual_seed(cfg.seed)  # same initial model on every rank
-            model = (
-                model_fn()
-                if model_fn
-                else build_model(
-                    cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
-                )
-            )
+        model = _initial_model(cfg, model_fn)
         named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
         layers = plan_layers(
             named,
@@ -173,43 +156,56 @@ class RunContext:
         # every rank agrees on the steps per epoch: the mean of the workers' shards
         spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
         total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
+        resume = load_resume(cfg.resume, transport=transport)
+        start = int(resume["step"]) if resume else 0
+        if start >= total:
+            raise checkpoint.CheckpointError(
+                f"--resume {cfg.resume} is at step {start}, nothing left of {total} steps: to train on, give "
+                f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
+            )
+        loss_fn = loss_fn or torch.nn.functional.cross_entropy
         ctx = cls(
-            cfg,
-            transport,
-            layout,
-            model,
-            layers,
-            loss_fn or torch.nn.functional.cross_entropy,
-            label,
-            spe,
-            total,
-            0,
-            _device(cfg, local_worker) if layout.is_worker(rank) else torch.device("cpu"),
-            loader,
-            eval_data=eval_data,
+            cfg=cfg,
+            transport=transport,
+            layout=layout,
+            model=model,
+            layers=layers,
+            loss_fn=loss_fn,
+            label=label,
+            steps_per_epoch=spe,
+            total=total,
+            start=start,
+            device=_device(cfg, local_worker) if layout.is_worker(rank) else torch.device("cpu"),
+            evaluations=Evaluations(
+                cfg,
+                model=model,
+                trains=layout.is_worker(rank),
+                loss_fn=loss_fn,
+                label=label,
+                steps_per_epoch=spe,
+                total=total,
+                eval_data=eval_data,
+                test_set=test_set,
+            ),
+            checkpoints=Checkpoints(cfg.log_dir, transport=transport, every=cfg.checkpoint_every, total=total),
+            loader=loader,
+            resume=resume,
             optimizer_fn=optimizer_fn,
             buffers_size=buffers_vector(model).numel(),
-            _test_set=test_set,
         )
-        ctx.resume = ctx._load_resume()
-        ctx.start = int(ctx.resume["step"]) if ctx.resume else 0
-        if ctx.start >= total:
-            raise checkpoint.CheckpointError(
-                f"--resume {cfg.resume} is at step {ctx.start}, nothing left of {total} steps: to train on, give "
-                f"--steps (or --epochs) beyond it, e.g. --steps {ctx.start + total}"
-            )
-        ctx._announce(model_fn is None)
+        _announce(ctx, named_model=model_fn is None)
         return ctx
 
-    def open_log(self, *, keep_all_rows: bool = False) -> None:
-        """Rank 0 writes config.json and opens the metrics log (``log``). Called once the run
-        starts for sure: a resume whose checkpoint did not fit must leave its log dir as it was."""
+    def open_log(self, *, keep_all_rows: bool = False) -> MetricsLog | None:
+        """Rank 0 writes config.json and opens the metrics log (None on the other ranks). Called
+        once the run starts for sure: a resume whose checkpoint did not fit must leave its log dir
+        as it was."""
         if self.rank != 0:
-            return
+            return None
         cfg = self.cfg
         if cfg.log_dir:
             cfg.save(cfg.log_dir, _run_facts(self.transport))
-        self.log = MetricsLog(
+        return MetricsLog(
             cfg.log_dir,
             total_steps=self.total,
             start_step=self.start,
@@ -219,27 +215,6 @@ class RunContext:
             progress=cfg.progress,
             keep_all_rows=keep_all_rows,
         )
-
-    def _announce(self, named_model: bool) -> None:
-        pids = self.transport.all_pids()
-        if self.rank != 0:
-            return
-        layout, cfg = self.layout, self.cfg
-        print(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}", file=sys.stderr)
-        servers = len(layout.server_ranks)
-        model = cfg.model if named_model else type(self.model).__name__
-        params = sum(p.numel() for p in self.model.parameters())
-        print(
-            f"[psgrad] {self.transport.size} ranks{'' if self.transport.separate_processes else ' simulated in one process'} "
-            f"({servers} serving, {layout.num_workers} working), topology "
-            f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(self.layers)} messages/step), "
-            f"data {self.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "
-            f"steps {self.start}..{self.total} ({self.steps_per_epoch} per epoch)",
-            file=sys.stderr,
-        )
-        note = accuracy_note(cfg)
-        if note is not None:
-            print(f"[psgrad] {note}", file=sys.stderr)
 
     # ------------------------------------------------------------------ what roles ask for
     def train_on_batch(self, step: int, train_step: Callable[[int, Any, Any], StepStats]) -> StepStats:
@@ -274,117 +249,39 @@ class RunContext:
         )
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
 
-    def is_eval_step(self, step: int) -> bool:
-        """The last step, every ``eval_steps``-th step, and the end of every ``eval_every``-th epoch."""
-        spe, every = self.steps_per_epoch, self.cfg.eval_every
-        if step == self.total - 1 or (self.cfg.eval_steps and (step + 1) % self.cfg.eval_steps == 0):
-            return True
-        return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
 
-    def is_checkpoint_step(self, step: int) -> bool:
-        """Every ``--checkpoint-every`` steps, and after the last step whenever there is a log dir."""
-        every = self.cfg.checkpoint_every
-        last = step + 1 == self.total and self.cfg.log_dir is not None
-        return last or (every > 0 and (step + 1) % every == 0 and step + 1 < self.total)
+def _initial_model(cfg: RunConfig, model_fn: Callable[[], nn.Module] | None) -> nn.Module:
+    """The run's model before training, the same on every rank (torch seeded with ``cfg.seed``)."""
+    with _GLOBAL_RNG:
+        torch.manual_seed(cfg.seed)
+        if model_fn is not None:
+            return model_fn()
+        return build_model(
+            cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
+        )
 
-    def start_evaluation(self, model: nn.Module, step: int, paused: float = 0.0) -> None:
-        """Evaluate ``model`` after ``step``; the row comes out of ``take_evaluations``.
 
-        With ``--eval-background`` (default) a helper thread evaluates while this rank goes on
-        serving or training, so the workers do not wait for it: the caller hands ``model`` over and
-        must not change it before ``wait_for_evaluations`` (at most one runs at a time). Otherwise
-        it runs here and now. ``paused``: the seconds the caller already held training up (the row's
-        ``paused_seconds`` adds the evaluation itself when it runs in the foreground)."""
-        if not self.cfg.eval_background:
-            row = self.evaluate(model, step)
-            row["paused_seconds"] = paused + row["eval_seconds"]
-            future: Future = Future()
-            future.set_result(row)
-        else:
-            if self._evaluator is None:
-                self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="psgrad-eval")
-            future = self._evaluator.submit(lambda: {**self.evaluate(model, step), "paused_seconds": paused})
-        self._evaluations.append(future)
-
-    def evaluation_model(self) -> nn.Module:
-        """The model rank 0 loads an evaluation into, free to change (the previous evaluation has
-        finished): a serving-only rank's own model, which never trains; on a training rank a copy of
-        it, made once (building a new model would draw from the RNG the run trains with), without
-        the worker's pull hooks."""
-        self.wait_for_evaluations()
-        if not self.layout.is_worker(self.rank):
-            return self.model
-        if self._eval_model is None:
-            self._eval_model = copy.deepcopy(self.model).cpu()
-            for module in self._eval_model.modules():
-                module._forward_pre_hooks.clear()
-        return self._eval_model
-
-    def wait_for_evaluations(self) -> None:
-        """Block until every evaluation started has finished (its model may be changed again)."""
-        wait(self._evaluations)
-
-    def take_evaluations(self, block: bool = False) -> list[dict]:
-        """The rows of the evaluations finished so far, in order (with ``block``: of all, and the
-        helper thread ends)."""
-        if block:
-            self.wait_for_evaluations()
-            if self._evaluator is not None:
-                self._evaluator.shutdown()
-                self._evaluator = None
-        rows = []
-        while self._evaluations and self._evaluations[0].done():
-            rows.append(self._evaluations.pop(0).result())  # re-raises an evaluation's exception here
-        return rows
-
-    def evaluate(self, model: nn.Module, step: int) -> dict:
-        """One eval.csv row: ``model`` evaluated on the test set after ``step``."""
-        if self.eval_data is not None:
-            batches = self.eval_data
-        else:
-            batches = eval_batches(self._test_set, self.cfg.dataset)
-        start = time.perf_counter()
-        device = next(model.parameters()).device
-        test_loss, test_acc = evaluate(model, batches, self.loss_fn, memory_format(self.cfg.memory_format, device))
-        return {
-            "epoch": round((step + 1) / self.steps_per_epoch, 4),
-            "step": step,  # the last step trained, 0-based as in metrics.csv
-            "test_loss": test_loss,
-            "test_acc": test_acc,
-            "dataset": self.label,
-            "eval_seconds": time.perf_counter() - start,
-        }
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, state: dict) -> None:
-        """Every rank writes its file (atomically); once all have (one allreduce: every rank is
-        between steps, and the MPI progress it drives completes the sends still in flight), rank 0
-        writes the marker that makes the checkpoint complete."""
-        directory = checkpoint.step_dir(self.cfg.log_dir or "checkpoints", step)
-        checkpoint.save_rank_state(directory, self.rank, {"step": step, **state})
-        written = self.transport.allreduce_sum([1])[0]
-        if self.rank == 0 and written == self.transport.size:
-            checkpoint.mark_complete(directory, step, self.transport.size)
-
-    def save_model(self) -> None:
-        """``model.pt`` in the log dir, from the first worker's model after its last pull: the
-        servers' final values, and that worker's BatchNorm statistics."""
-        if self.cfg.log_dir and self.rank == self.layout.worker_ranks[0]:
-            path = checkpoint.save_model(self.cfg.log_dir, self.model)
-            say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
-
-    def _load_resume(self) -> dict | None:
-        cfg = self.cfg
-        if not cfg.resume:
-            return None
-        directory = checkpoint.resolve(cfg.resume)
-        state = checkpoint.load_rank_state(directory, self.rank, self.transport.size)
-        steps = self.transport.allreduce_sum([int(state["step"]), 1])
-        if steps[0] != int(state["step"]) * steps[1]:
-            raise checkpoint.CheckpointError(
-                f"--resume {directory}: the ranks' checkpoint files are from different steps"
-            )
-        return state
+def _announce(ctx: RunContext, *, named_model: bool) -> None:
+    """Rank 0's start-up lines: which rank plays which role in which process, and the run."""
+    pids = ctx.transport.all_pids()
+    if ctx.rank != 0:
+        return
+    layout, cfg = ctx.layout, ctx.cfg
+    print(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}", file=sys.stderr)
+    servers = len(layout.server_ranks)
+    model = cfg.model if named_model else type(ctx.model).__name__
+    params = sum(p.numel() for p in ctx.model.parameters())
+    print(
+        f"[psgrad] {ctx.transport.size} ranks{'' if ctx.transport.separate_processes else ' simulated in one process'} "
+        f"({servers} serving, {layout.num_workers} working), topology "
+        f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(ctx.layers)} messages/step), "
+        f"data {ctx.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "
+        f"steps {ctx.start}..{ctx.total} ({ctx.steps_per_epoch} per epoch)",
+        file=sys.stderr,
+    )
+    note = accuracy_note(cfg)
+    if note is not None:
+        print(f"[psgrad] {note}", file=sys.stderr)
 
 
 def ranks_line(roles: list[str], pids: list[int]) -> str:
@@ -424,12 +321,13 @@ def _coded_bytes(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
 
 
 class Role:
-    """What the training loop drives on every rank (``roles.ROLES[topology](ctx)`` builds one).
+    """What the training loop drives on every rank (``topology_of(cfg.topology).make_role(ctx)``
+    builds one).
 
     ``step(t)`` does this rank's part of step t (train a batch, serve until t is complete, or
     both) and returns the metrics rows that became complete; ``evaluate(t)`` does this rank's part
-    of an evaluation (rank 0 starts it with ``ctx.start_evaluation``; the loop logs the rows from
-    ``ctx.take_evaluations``); ``finish()`` ends the run's traffic and returns the last rows.
+    of an evaluation (rank 0 starts it with ``ctx.evaluations.start``; the loop logs the rows from
+    ``ctx.evaluations.take``); ``finish()`` ends the run's traffic and returns the last rows.
     """
 
     name = "role"
@@ -445,7 +343,7 @@ class Role:
         raise NotImplementedError
 
     def evaluate(self, step: int) -> None:
-        """Start this rank's part of evaluating after ``step`` (rows: ``ctx.take_evaluations``)."""
+        """Start this rank's part of evaluating after ``step`` (rows: ``ctx.evaluations.take``)."""
 
     def finish(self) -> list[dict]:
         return []

@@ -188,8 +188,7 @@ def _run(
     if ctx.resume:
         _load_state(role, ctx)
         ctx.transport.barrier()  # every rank's state fits before rank 0 touches the log dir
-    ctx.open_log(keep_all_rows=keep_all_rows)
-    log = ctx.log  # rank 0 only
+    log = ctx.open_log(keep_all_rows=keep_all_rows)  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):
         started = time.monotonic()
@@ -198,16 +197,17 @@ def _run(
         if log:
             for row in rows:
                 log.step(row)
-        if ctx.is_eval_step(step):
+        if ctx.evaluations.is_due(step):
             role.evaluate(step)
-        for evaluation in ctx.take_evaluations():
+        for evaluation in ctx.evaluations.take():
             log.evaluation(evaluation)
-        if ctx.is_checkpoint_step(step):
-            ctx.save_checkpoint(step + 1, role.state_dict())
+        if ctx.checkpoints.is_due(step):
+            ctx.checkpoints.save(step + 1, role.state_dict())
     rows = role.finish()
-    for evaluation in ctx.take_evaluations(block=True):
+    for evaluation in ctx.evaluations.take(block=True):
         log.evaluation(evaluation)
-    ctx.save_model()
+    if ctx.rank == ctx.layout.worker_ranks[0]:  # its model holds the servers' last values after its last pull
+        ctx.checkpoints.save_model(ctx.model)
     result = RunResult(role.name, ctx.rank, ctx.total, params=role.params())
     if log:
         for row in rows:

@@ -123,7 +123,7 @@ def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
     ``cfg.eval_steps`` steps and at the last, like psgrad's runs."""
     if test is None:
         return None
-    from ..context import evaluate
+    from ..evaluation import evaluate
 
     layout = memory_format(cfg.memory_format, torch.device("cpu"))
 

@@ -22,7 +22,7 @@ class _Commands(click.Group):
             lambda: super(_Commands, self).invoke(ctx),
             ctx=ctx,
             ranks=launched_ranks(),
-            agrees_on_usage=ctx.invoked_subcommand in TRAINING_COMMANDS,
+            agrees_on_usage=lambda: ctx.invoked_subcommand in TRAINING_COMMANDS,
         )
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -236,9 +236,9 @@ class PeerRole(Role):
             total = self.world.allreduce_sum(flat.double().numpy())
             load_buffers_vector(self.model, torch.from_numpy(total).float() / self.size)
         if self.rank == 0:
-            model = self.ctx.evaluation_model()
+            model = self.ctx.evaluations.model()
             model.load_state_dict(self.model.state_dict())
-            self.ctx.start_evaluation(model, step, time.perf_counter() - start)
+            self.ctx.evaluations.start(model, step, time.perf_counter() - start)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}

@@ -71,10 +71,10 @@ class ColocatedRole(Role):
                 self.server.send_values(step)
                 return
             buffers = self.server.wait_for_evaluation(step, Patience())
-            model = self.ctx.evaluation_model()
+            model = self.ctx.evaluations.model()
             self.server.load_model(model, step)
         load_buffers_vector(model, buffers)
-        self.ctx.start_evaluation(model, step, time.perf_counter() - start)
+        self.ctx.evaluations.start(model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.worker.stop()

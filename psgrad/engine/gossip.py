@@ -200,7 +200,7 @@ class GossipRole(Role):
         start = time.perf_counter()
         _, mean = self._averaged()
         if self.rank == 0:
-            model = self.ctx.evaluation_model()
+            model = self.ctx.evaluations.model()
             model.load_state_dict(self.model.state_dict())
             targets = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
             offset = 0
@@ -208,7 +208,7 @@ class GossipRole(Role):
                 for t in targets:
                     t.copy_(mean[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-            self.ctx.start_evaluation(model, step, time.perf_counter() - start)
+            self.ctx.evaluations.start(model, step, time.perf_counter() - start)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}

@@ -42,10 +42,10 @@ class ServerRole(Role):
         start = time.perf_counter()
         buffers = self.server.wait_for_evaluation(step)
         self.server.doing = f"evaluating after step {step}"
-        model = self.ctx.evaluation_model()
+        model = self.ctx.evaluations.model()
         self.server.load_model(model, step)  # its own layers and the other servers' for this step
         load_buffers_vector(model, buffers)
-        self.ctx.start_evaluation(model, step, time.perf_counter() - start)
+        self.ctx.evaluations.start(model, step, time.perf_counter() - start)
 
     def finish(self) -> list[dict]:
         self.server.finish()
@@ -54,7 +54,7 @@ class ServerRole(Role):
     def params(self) -> dict[str, torch.Tensor]:
         if self.ctx.rank != 0:
             return {}
-        model = self.ctx.evaluation_model()
+        model = self.ctx.evaluations.model()
         self.server.load_model(model)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -21,7 +21,9 @@ from .chain import stop_behind
 T = TypeVar("T")
 
 
-def run_command(invoke: Callable[[], T], *, ctx: click.Context, ranks: int, agrees_on_usage: bool) -> T | None:
+def run_command(
+    invoke: Callable[[], T], *, ctx: click.Context, ranks: int, agrees_on_usage: Callable[[], bool]
+) -> T | None:
     """Run a command (``invoke``) of a launch of ``ranks`` ranks, ending the job as a rank must.
 
     1. In a multi-rank launch Ctrl-C is raised from here on (``psgrad.entry`` had it end the rank),
@@ -29,7 +31,8 @@ def run_command(invoke: Callable[[], T], *, ctx: click.Context, ranks: int, agre
     2. SIGTERM stops the command as Ctrl-C does, except in a rank of a multi-rank launch before MPI
        runs, which ends by the signal itself (a training rank raises it around ``train.run``).
     3. A stop says where it was and ends the job (``leave_the_job``); a usage error of a command
-       whose ranks agree on usage (``agrees_on_usage``) is printed once for the job, and every rank
+       whose ranks agree on usage (``agrees_on_usage()``, asked once the command is known) is printed
+       once for the job, and every rank
        exits with status 2; any other error in a multi-rank launch ends the job too (``fail_the_job``).
     """
     from ..startup import AgreementError
@@ -49,7 +52,7 @@ def run_command(invoke: Callable[[], T], *, ctx: click.Context, ranks: int, agre
             leave_the_job(err)
         ctx.exit(stop_reason(err)[1])
     except click.UsageError as err:
-        if not agrees_on_usage or ranks < 2:
+        if ranks < 2 or not agrees_on_usage():
             raise
         from ..comm.transport import Transport
         from ..startup import agree

@@ -1,0 +1,60 @@
+"""A run's checkpoints as a job: when one is due, every rank's part of writing one (each rank its
+file, then rank 0 the marker that makes it complete), the trained model, and reading a resumed
+run's state back on every rank. The files themselves are ``psgrad.checkpoint``'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import checkpoint
+from .metrics import say
+
+if TYPE_CHECKING:  # the interface only: importing the MPI transport starts MPI
+    from torch import nn
+
+    from .comm.transport import Transport
+
+
+class Checkpoints:
+    """Checkpoints of one run on one rank: into ``log_dir`` (else ./checkpoints) every ``every``
+    steps and after the last of ``total`` steps whenever there is a log dir."""
+
+    def __init__(self, log_dir: str | None, *, transport: Transport, every: int, total: int) -> None:
+        self.log_dir, self.transport, self.every, self.total = log_dir, transport, every, total
+
+    def is_due(self, step: int) -> bool:
+        """Every ``--checkpoint-every`` steps, and after the last step whenever there is a log dir."""
+        last = step + 1 == self.total and self.log_dir is not None
+        return last or (self.every > 0 and (step + 1) % self.every == 0 and step + 1 < self.total)
+
+    def save(self, step: int, state: dict) -> None:
+        """Every rank writes its file (atomically); once all have (one allreduce: every rank is
+        between steps, and the MPI progress it drives completes the sends still in flight), rank 0
+        writes the marker that makes the checkpoint complete."""
+        rank, size = self.transport.rank, self.transport.size
+        directory = checkpoint.step_dir(self.log_dir or "checkpoints", step)
+        checkpoint.save_rank_state(directory, rank, {"step": step, **state})
+        written = self.transport.allreduce_sum([1])[0]
+        if rank == 0 and written == size:
+            checkpoint.mark_complete(directory, step, size)
+
+    def save_model(self, model: nn.Module) -> None:
+        """``model.pt`` in the log dir (called on the first worker, after its last pull: the
+        servers' final values, and that worker's BatchNorm statistics)."""
+        if self.log_dir:
+            path = checkpoint.save_model(self.log_dir, model)
+            say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
+
+
+def load_resume(resume: str | None, *, transport: Transport) -> dict | None:
+    """This rank's state in the checkpoint ``resume`` names (collective: every rank checks that
+    all the files are of one step), or None without ``--resume``."""
+    if not resume:
+        return None
+    directory = checkpoint.resolve(resume)
+    state = checkpoint.load_rank_state(directory, transport.rank, transport.size)
+    steps = transport.allreduce_sum([int(state["step"]), 1])
+    if steps[0] != int(state["step"]) * steps[1]:
+        raise checkpoint.CheckpointError(f"--resume {directory}: the ranks' checkpoint files are from different steps")
+    return state
