@@ -17,7 +17,7 @@ imports it. For every size and pair of the same method:
 3. Report both medians, psgrad's GB/s (dense fp32 bytes / round trip) and the median of the
    per-round ratios GRACE time / psgrad time (> 1: psgrad is faster).
 Both libraries share the process, so both run with the malloc setting every psgrad process uses
-(freed memory kept, psgrad/allocator.py; ``PSGRAD_MALLOC=system`` for glibc's defaults).
+(freed memory kept, psgrad/runtime/allocator.py; ``PSGRAD_MALLOC=system`` for glibc's defaults).
 """
 
 from __future__ import annotations

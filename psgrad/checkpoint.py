@@ -93,7 +93,7 @@ def mark_complete(directory: Path, step: int, ranks: int) -> None:
 
 def save_model(log_dir: str | Path, model: torch.nn.Module) -> Path:
     path = Path(log_dir) / "model.pt"
-    # clone: a simulated worker's tensors are views into the stacked model's (psgrad/stacked.py),
+    # clone: a simulated worker's tensors are views into the stacked model's (psgrad/sim/stacked.py),
     # and torch.save writes a view's whole storage
     _atomic_save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, path)
     return path

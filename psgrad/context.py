@@ -136,33 +136,17 @@ class RunContext:
         """
         torch.set_num_threads(cfg.threads)
         layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
-        rank = transport.rank
         model = _initial_model(cfg, model_fn)
-        named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-        layers = plan_layers(
-            named,
-            granularity=cfg.granularity,
-            owners=layout.server_ranks,
-            bucket_vectors=cfg.bucket_vectors,
-            cost=_coded_bytes(cfg.codec),
-        )
-        transport.check_tag(layer_tag(len(layers)))
+        layers = _layer_plan(cfg, model=model, layout=layout, transport=transport)
         label = cfg.dataset_label if loader_fn is None else "custom data"
         loader, test_set = _data(
             cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None
         )
-        # collective on every rank (--device may differ per rank): a server counts in no GPU index
-        local_worker = transport.local_rank(group=int(layout.is_worker(rank)))
+        device = _rank_device(cfg, transport=transport, layout=layout)
         # every rank agrees on the steps per epoch: the mean of the workers' shards
         spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
         total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
-        resume = load_resume(cfg.resume, transport=transport)
-        start = int(resume["step"]) if resume else 0
-        if start >= total:
-            raise checkpoint.CheckpointError(
-                f"--resume {cfg.resume} is at step {start}, nothing left of {total} steps: to train on, give "
-                f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
-            )
+        resume, start = _resumed(cfg, transport=transport, total=total)
         loss_fn = loss_fn or torch.nn.functional.cross_entropy
         ctx = cls(
             cfg=cfg,
@@ -175,11 +159,11 @@ class RunContext:
             steps_per_epoch=spe,
             total=total,
             start=start,
-            device=_device(cfg, local_worker) if layout.is_worker(rank) else torch.device("cpu"),
+            device=device,
             evaluations=Evaluations(
                 cfg,
                 model=model,
-                trains=layout.is_worker(rank),
+                trains=layout.is_worker(transport.rank),
                 loss_fn=loss_fn,
                 label=label,
                 steps_per_epoch=spe,
@@ -248,6 +232,39 @@ class RunContext:
             else {}
         )
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
+
+
+def _resumed(cfg: RunConfig, *, transport: Transport, total: int) -> tuple[dict | None, int]:
+    """The resumed state of this rank (None without --resume) and the step the run starts at."""
+    resume = load_resume(cfg.resume, transport=transport)
+    start = int(resume["step"]) if resume else 0
+    if start >= total:
+        raise checkpoint.CheckpointError(
+            f"--resume {cfg.resume} is at step {start}, nothing left of {total} steps: to train on, give "
+            f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
+        )
+    return resume, start
+
+
+def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout, transport: Transport) -> list:
+    """The layers, the units of communication, sharded over the serving ranks by coded bytes."""
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    layers = plan_layers(
+        named,
+        granularity=cfg.granularity,
+        owners=layout.server_ranks,
+        bucket_vectors=cfg.bucket_vectors,
+        cost=_coded_bytes(cfg.codec),
+    )
+    transport.check_tag(layer_tag(len(layers)))
+    return layers
+
+
+def _rank_device(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> torch.device:
+    """A worker's device (``--device``), the CPU for a serving-only rank. Collective on every rank
+    (--device may differ per rank): a server counts in no GPU index."""
+    local_worker = transport.local_rank(group=int(layout.is_worker(transport.rank)))
+    return _device(cfg, local_worker) if layout.is_worker(transport.rank) else torch.device("cpu")
 
 
 def _initial_model(cfg: RunConfig, model_fn: Callable[[], nn.Module] | None) -> nn.Module:

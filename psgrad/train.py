@@ -8,10 +8,8 @@ is aborted (no hangs).
 
 from __future__ import annotations
 
-import errno
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -24,13 +22,13 @@ from .comm.layout import RankLayout
 from .comm.transport import PeerFailure, Transport, on_job_end
 from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
-from .metrics import say, tensorboard_problem
+from .metrics import tensorboard_problem
 from .optim import OptimizerFn
 from .roles import topology_of
 from .runtime import job_end_hooks
-from .runtime.signals import ignore_further_stops, stop_reason
+from .runtime.failure import end_on_failure
 from .runtime.watchdog import Report, Watchdog
-from .startup import AgreementError, agree
+from .startup import agree
 
 
 @dataclass
@@ -102,55 +100,10 @@ def run(
             keep_all_rows=keep_all_rows,
         )
     except BaseException as err:
-        if getattr(err, "reported_elsewhere", False):  # a simulated rank stopped by another's failure
-            raise
-        if isinstance(err, AgreementError):  # said once, by one rank; every rank ends with it
-            watchdog.stop()
-            raise
-        if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
-            reason, status = stop_reason(err)
-            say(f"[psgrad rank {transport.rank}] {reason} while {report().doing}")
-            _say_resume_hint(transport.rank, cfg.log_dir)
-            if transport.size > 1:
-                ignore_further_stops()
-            _end_job(transport, watchdog, reason, status)
-            raise
-        say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {report().doing}: {err}")
-        if _disk_full(err):  # the system's words say it all; what to resume from once there is room
-            _say_resume_hint(transport.rank, cfg.log_dir)
-        elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
-            traceback.print_exc(file=sys.stderr)
-        # a dead peer's sentinel names it, not this rank
-        _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
+        end_on_failure(err, transport=transport, watchdog=watchdog, log_dir=cfg.log_dir, doing=report().doing)
         raise
     watchdog.stop()
     return result
-
-
-def _say_resume_hint(rank: int, log_dir: str | None) -> None:
-    """Rank 0 names the checkpoint that continues the run (``checkpoint.resume_hint``)."""
-    if rank == 0 and (hint := checkpoint.resume_hint(log_dir)) is not None:
-        say(f"[psgrad] {hint}")
-
-
-def _end_job(transport: Transport, watchdog: Watchdog, claim: str | None, status: int) -> None:
-    """With other ranks: claim the abort (unless ``claim`` is None), then abort the job with
-    ``status`` whatever the claim does (a claim that failed on a full disk once skipped the abort,
-    and the other ranks waited for the watchdog)."""
-    if transport.size < 2:
-        return
-    try:
-        if claim is not None:
-            watchdog.claim(claim)
-    finally:
-        transport.abort(status)
-
-
-def _disk_full(err: BaseException) -> bool:
-    """A full disk or an exceeded quota, here or behind ``err`` (``checkpoint.system_error``): the
-    system's words say it all, no traceback needed."""
-    system = checkpoint.system_error(err)
-    return system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:

@@ -222,13 +222,15 @@ def test_baseline_speedup_is_exactly_one():
 
 
 def test_busiest_link_per_topology():
-    from psgrad.bench.launcher import busiest_link
+    from psgrad.bench.results import busiest_link
 
     m = {"bytes_up": 8e6, "bytes_down": 6e6}  # a step's bytes over all ranks
-    assert busiest_link(m, "ps", False, servers=2, workers=4) == 4e6  # a server's ingress
-    assert busiest_link(m, "colocated", False, servers=1, workers=4) == 3.5e6  # each rank sends its share
-    assert busiest_link(m, "alltoall", False, servers=1, workers=4) == 2e6
-    assert busiest_link(m, "ps", True, servers=1, workers=4) == 2e6  # a DDP worker's own share
+    assert busiest_link(m, topology="ps", baseline=False, servers=2, workers=4) == 4e6  # a server's ingress
+    assert (
+        busiest_link(m, topology="colocated", baseline=False, servers=1, workers=4) == 3.5e6
+    )  # each rank sends its share
+    assert busiest_link(m, topology="alltoall", baseline=False, servers=1, workers=4) == 2e6
+    assert busiest_link(m, topology="ps", baseline=True, servers=1, workers=4) == 2e6  # a DDP worker's own share
 
 
 def test_time_to_target_excludes_evaluation_pauses():
@@ -280,10 +282,11 @@ def test_bench_runs_keep_every_metrics_row(monkeypatch):
 
 
 def test_target_table_ranks_by_seconds_and_says_never():
-    from psgrad.bench.launcher import BenchRow, target_table
+    from psgrad.bench.results import BenchRow, target_table
 
     def row(name, seconds, acc, rounds):
-        return BenchRow(name, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2, 0.5, target_seconds=seconds,
+        return BenchRow(name, it_per_s=1.0, it_per_s_spread=0.0, speedup=1.0, bytes_per_step=1.0, bytes_up=1.0,
+                        bytes_down=0.0, compression=1.0, runs=2, hidden_comm_share=0.5, target_seconds=seconds,
                         target_steps=10, target_mb=1.0, final_acc=acc, target_rounds=rounds)  # fmt: skip
 
     text = target_table([row("slow", 9.0, 0.9, 2), row("never", float("nan"), 0.4, 0), row("fast", 3.0, 0.8, 2)], 0.7)
@@ -386,11 +389,35 @@ def test_codec_report_per_size_and_per_model(tmp_path):
 
 
 def test_bench_table_is_narrow_by_default_with_a_legend():
-    from psgrad.bench.launcher import BREAKDOWN, BenchRow, table
+    from psgrad.bench.results import BREAKDOWN, BenchRow, table
 
     rows = [
-        BenchRow("none", 2.0, 0.1, 1.0, 4e6, 2e6, 0.5, 0.9, 2, 0.5, times={k: 0.01 for k in BREAKDOWN}),
-        BenchRow("sign --feedback ef", 3.0, 0.1, 1.5, 1e5, 5e4, 0.9, 0.95, 2, 0.6, times={k: 0.01 for k in BREAKDOWN}),
+        BenchRow(
+            "none",
+            it_per_s=2.0,
+            it_per_s_spread=0.1,
+            speedup=1.0,
+            bytes_per_step=4e6,
+            bytes_up=2e6,
+            bytes_down=0.5,
+            compression=0.9,
+            runs=2,
+            hidden_comm_share=0.5,
+            times={k: 0.01 for k in BREAKDOWN},
+        ),
+        BenchRow(
+            "sign --feedback ef",
+            it_per_s=3.0,
+            it_per_s_spread=0.1,
+            speedup=1.5,
+            bytes_per_step=1e5,
+            bytes_up=5e4,
+            bytes_down=0.9,
+            compression=0.95,
+            runs=2,
+            hidden_comm_share=0.6,
+            times={k: 0.01 for k in BREAKDOWN},
+        ),
     ]
     narrow, wide = table(rows), table(rows, wide=True)
     head = narrow.splitlines()[0].split()

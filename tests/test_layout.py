@@ -88,6 +88,7 @@ FLOORS = [
     (7, ["psgrad.options", "psgrad.plot"]),
     (8, ["psgrad.bench"]),
     (9, ["psgrad.cli", "psgrad.clidoc", "psgrad.runtime.job"]),
+    (4, ["psgrad.runtime.failure"]),
     (10, ["psgrad.entry", "psgrad.__main__"]),
 ]
 

@@ -1,4 +1,4 @@
-"""psgrad simulate: every rank in one process, on the in-process transport (comm/local.py).
+"""psgrad simulate: every rank in one process, on the in-process transport (sim/local.py).
 
 The simulation is a stand-in for an MPI job only if it follows the same trajectory, so the central
 test runs both and compares them step for step; the others pin down the transport's MPI semantics
@@ -481,7 +481,9 @@ def test_the_time_spent_loading_a_batch_is_its_own_column(topology):
             return super().batch(step)
 
     def loader_fn(index: int, workers: int):
-        return SlowLoader(load_dataset("synthetic", "train"), "synthetic", index, workers, 8, 0)
+        return SlowLoader(
+            load_dataset("synthetic", "train"), dataset="synthetic", worker=index, workers=workers, batch_size=8, seed=0
+        )
 
     cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30, topology=topology, eval_every=0)
     rows = simulate(cfg, 3, loader_fn=loader_fn)[0].rows
@@ -615,7 +617,7 @@ def test_more_cores_than_the_process_may_use_are_run_with_a_note(monkeypatch):
     import psgrad.sim.simulate
 
     asked: list = []
-    monkeypatch.setattr(psgrad.simulate, "simulate", lambda cfg, workers, cores, stack: asked.append(cores))
+    monkeypatch.setattr(psgrad.sim.simulate, "simulate", lambda cfg, workers, cores, stack: asked.append(cores))
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     options = ["simulate", "--workers", "4", "--model", "convnet", "--steps", "1", "--no-progress"]
     done = CliRunner().invoke(main, [*options, "--cores", "3"])

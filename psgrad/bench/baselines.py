@@ -137,6 +137,29 @@ def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
     return run
 
 
+def _wrapped(kind: str, model, *, numel: int, workers: int, powersgd_rank: int) -> tuple:
+    """``model`` in DDP (``ddp``), or in DDP with the PowerSGD hook in one bucket
+    (``ddp-powersgd``), and the function that gives each step's bytes on a ring allreduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if kind == "ddp":
+        return DistributedDataParallel(model), lambda: _ring_bytes(numel, workers)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    ddp = DistributedDataParallel(model, bucket_cap_mb=max(1.0, 8 * numel / 2**20))  # one bucket
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    seen = {"after": 0}
+
+    def step_bytes() -> int:
+        # before compression starts the hook runs a plain allreduce and counts nothing
+        after = state.total_numel_after_compression
+        elements, seen["after"] = (after - seen["after"]) or numel, after
+        return _ring_bytes(elements, workers)
+
+    return ddp, step_bytes
+
+
 def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> tuple[list[dict], list[dict]]:
     """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns (rows, evals), others
     ([], []). DDP rows evaluate every ``cfg.eval_steps`` steps; ``compute`` has no one model to
@@ -179,33 +202,12 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     host = os.environ.get("PSGRAD_RANK0_ADDR", "127.0.0.1")
     port = int(transport.broadcast_bytes(str(_free_port(host)).encode() if rank == 0 else None).decode())
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=workers)
     try:
-        if kind == "ddp":
-            ddp = DistributedDataParallel(model)
-
-            def step_bytes() -> int:
-                return _ring_bytes(numel, workers)
-        else:
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-            ddp = DistributedDataParallel(model, bucket_cap_mb=max(1.0, 8 * numel / 2**20))  # one bucket
-            state = powersgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
-            )
-            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-            seen = {"after": 0}
-
-            def step_bytes() -> int:
-                # before compression starts the hook runs a plain allreduce and counts nothing
-                after = state.total_numel_after_compression
-                elements, seen["after"] = (after - seen["after"]) or numel, after
-                return _ring_bytes(elements, workers)
-
+        ddp, step_bytes = _wrapped(kind, model, numel=numel, workers=workers, powersgd_rank=powersgd_rank)
         evaluate = _evaluator(cfg, model, test, steps)
         rows, evals = train_rows(
             cfg,

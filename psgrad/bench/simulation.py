@@ -10,7 +10,7 @@ total batch: ``python -m psgrad.bench.simulation --workers 16 --batch-size 8 --c
    simulation by the mean of those two, "x fastest" by the fastest alone run of all. (One VM's
    speed drifted by a third within minutes, 2.6-4.0 it/s for the same loop; with glibc's default
    malloc the loop also varied from 6 to 9 it/s, its batch of 128 faulting in fresh pages each
-   step, which freed memory kept, psgrad/allocator.py, ended.)
+   step, which freed memory kept, psgrad/runtime/allocator.py, ended.)
 2. Simulated: ``simulate`` with N workers of batch B (stacked, one group per core, by default;
    ``--stack on|off`` to choose), for each row (a codec spec, optionally
    followed by train options for that row, as in ``psgrad bench --codecs``), once with one core
@@ -111,6 +111,7 @@ def simulated(cfg: RunConfig, workers: int, cores: int, stack: bool = True) -> d
 
 def report(
     workers: int,
+    *,
     batch: int,
     rows: dict[str, RunConfig],
     steps: int,
@@ -119,13 +120,23 @@ def report(
     repeat: int = 1,
 ) -> str:
     """The markdown tables of one measurement of ``rows`` (label -> config; see the module docstring)."""
+    measured = _measure(workers, batch=batch, rows=rows, steps=steps, base=base, stack=stack, repeat=repeat)
+    return _tables(measured, workers=workers, batch=batch, steps=steps, base=base, stack=stack, repeat=repeat)
+
+
+def _measure(
+    workers: int, *, batch: int, rows: dict[str, RunConfig], steps: int, base: RunConfig, stack: bool, repeat: int
+) -> dict:
+    """Every row simulated ``repeat`` times on one core and on all, each run between two runs of
+    one worker alone (this VM's speed drifts by a third in minutes), and the alone worker with
+    and without ``base``'s memory format; the figures ``_tables`` prints."""
     cores = len(os.sched_getaffinity(0))
     alone_rates: dict[int, list[float]] = {1: [], cores: []}
     alone_loads: list[float] = []  # seconds, one thread
 
     def bracketed(cfg: RunConfig, simulation_cores: int) -> tuple[dict, float]:
         """A simulation between two alone runs with as many threads as it has cores: its result
-        and the mean of those two rates (this VM's speed drifts by a third in minutes)."""
+        and the mean of those two rates."""
         before, load_before = alone(base, workers * batch, steps, simulation_cores)
         result = simulated(cfg, workers, simulation_cores, stack)
         after, load_after = alone(base, workers * batch, steps, simulation_cores)
@@ -145,6 +156,19 @@ def report(
             full, near_every = bracketed(cfg, cores) if cores > 1 else (single, near_one)
             runs[item].append({"single": single, "full": full, "near_one": near_one, "near_every": near_every})
     torch.set_num_threads(1)
+    return {
+        "cores": cores,
+        "alone_rates": alone_rates,
+        "alone_loads": alone_loads,
+        "by_layout": by_layout,
+        "runs": runs,
+    }
+
+
+def _tables(measured: dict, *, workers: int, batch: int, steps: int, base: RunConfig, stack: bool, repeat: int) -> str:
+    """The header, the rows' rates against one worker alone, and the one-core step's breakdown."""
+    cores, alone_rates, alone_loads = measured["cores"], measured["alone_rates"], measured["alone_loads"]
+    by_layout, runs = measured["by_layout"], measured["runs"]
     one, every = max(alone_rates[1]), max(alone_rates[cores])
     lines = [
         f"{cpu_name()}, {cores} cores, torch {torch.__version__}; {base.model} (depth {base.depth}, "
@@ -239,7 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     stack = args.stack != "off"
-    print(report(args.workers, args.batch_size, rows, args.steps, base, stack, args.repeat))
+    print(
+        report(
+            args.workers, batch=args.batch_size, rows=rows, steps=args.steps, base=base, stack=stack, repeat=args.repeat
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     help="Also write the rows (and the machine) as JSON here, as bench's --json does; '-' prints them instead of tables (a file's folder is made before measuring).",
 )
 def codecs(
+    *,
     sizes: tuple[int, ...],
     model: str | None,
     depth: int,
@@ -250,6 +251,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "final accuracy; --steps is then the cap.",
 )
 def bench(
+    *,
     bench_codecs: str,
     baselines: list[str],
     warmup: int,
@@ -349,6 +351,7 @@ def _bench_rows(bench_codecs: str, baselines: list[str], cfg) -> list[str]:
 def _bench_inside_mpi(cfg, specs: list[str], *, warmup: int, repeat: int, header: str, report: dict) -> None:
     """Under ``mpiexec -n N psgrad bench``: every row runs inside this one job; rank 0 reports."""
     from ..bench import launcher as bench_module
+    from ..bench import results as bench_results
     from ..comm.transport import Transport
 
     results = bench_module.run_in_mpi(
@@ -357,8 +360,8 @@ def _bench_inside_mpi(cfg, specs: list[str], *, warmup: int, repeat: int, header
     if Transport().rank != 0:
         return
     size = Transport().size
-    rows = bench_module.summarize(results, servers=cfg.servers, workers=size - cfg.servers)
-    bench_module.report(rows, header + f"{size} ranks in one job, loopback", **report)
+    rows = bench_results.summarize(results, servers=cfg.servers, workers=size - cfg.servers)
+    bench_results.report(rows, header + f"{size} ranks in one job, loopback", **report)
 
 
 def _bench_by_launcher(
@@ -377,6 +380,7 @@ def _bench_by_launcher(
     import shlex
 
     from ..bench import launcher as bench_module
+    from ..bench import results as bench_results
     from ..bench.netshape import ShapeError, parse_rate
 
     bandwidth = launch["bandwidth"]
@@ -398,7 +402,7 @@ def _bench_by_launcher(
     except (bench_module.BenchError, ShapeError) as err:
         raise click.ClickException(str(err)) from None
     topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
-    rows = bench_module.summarize(
+    rows = bench_results.summarize(
         results,
         servers=cfg.servers,
         workers=workers,
@@ -406,6 +410,6 @@ def _bench_by_launcher(
         topologies=topologies,
     )
     where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
-    bench_module.report(
+    bench_results.report(
         rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", **report
     )

@@ -43,7 +43,7 @@ class SharedPass(Protocol):
 
 class PeerFailure(RuntimeError):
     """An MPI operation with another rank failed: that rank has most likely died. The text names it
-    (its sentinel names it too, comm/sentinel.py)."""
+    (its sentinel names it too, runtime/sentinel.py)."""
 
 
 def _peer_failure(err: Exception, peer: int | None) -> PeerFailure:
@@ -226,21 +226,23 @@ class Transport:
         if tag > self.comm.Get_attr(MPI.TAG_UB):
             raise ValueError(f"MPI tag {tag} exceeds this MPI's tag range: too many layers for --granularity layer")
 
-    def _handle(self, request: MPI.Request, buffer, peer: int, tag: int, key: object = None, count: int = -1) -> Handle:
+    def _handle(
+        self, request: MPI.Request, buffer, peer: int, tag: int, *, key: object = None, count: int = -1
+    ) -> Handle:
         return Handle(request, buffer, peer, tag, key, count, transport=self)
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
         request = self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag)
         self.bytes_sent += len(data)
-        return self._handle(request, data, dest, tag, key, count=len(data))
+        return self._handle(request, data, dest, tag, key=key, count=len(data))
 
     def irecv(
         self, nbytes: int, source: int, tag: int, *, key: object = None, buffer: bytearray | None = None
     ) -> Handle:
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         request = self.comm.Irecv([buf, nbytes, MPI.BYTE], source=source, tag=tag)
-        return self._handle(request, buf, source, tag, key)
+        return self._handle(request, buf, source, tag, key=key)
 
     def repost(self, handle: Handle) -> Handle:
         """Post the same receive again into the same buffer (after its payload was consumed)."""

@@ -19,5 +19,5 @@ def error_chain(err: BaseException | None) -> Iterator[BaseException]:
 
 
 def stop_behind(err: BaseException | None) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM (``startup.Terminated``) behind ``err``, itself included, or None."""
+    """The Ctrl-C or SIGTERM (``runtime.signals.Terminated``) behind ``err``, itself included, or None."""
     return next((e for e in error_chain(err) if isinstance(e, KeyboardInterrupt)), None)

@@ -12,7 +12,7 @@ left 1,081 of them here, 3.1 GB.
 2. ``remove(paths)`` unlinks them. The ranks keep their mappings, so a rank still running reads
    and writes them as before; a rank that has not yet attached cannot any more, which is why
    this runs only when the job is ending anyway: right before ``MPI_Abort``, and in the rank's
-   sentinel (comm/sentinel.py) when the rank dies without saying goodbye.
+   sentinel (runtime/sentinel.py) when the rank dies without saying goodbye.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
    file itself before aborting, so the ranks the abort takes down stay silent too.
    Either way, a rank that ends without ``bye`` cannot finalize MPI: the sentinel removes the MPI
    library's shared-memory segments the rank named when it started (``shm PATH`` lines,
-   comm/segments.py), which MPI_Finalize would have removed.
+   runtime/segments.py), which MPI_Finalize would have removed.
 5. In a process that ends with its job (``psgrad train``, a ``psgrad bench`` job:
    ``hold_goodbyes()``), the goodbye at the end of training is only ``done``; ``bye`` follows
    from ``farewell()``, right after MPI_Finalize. A rank that dies in between (in the final
@@ -224,7 +224,7 @@ def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = 
     if words[-1:] == [_BYE]:
         return
     told = [os.fsdecode(word[len(_SEGMENT) :].rstrip(b"\n")) for word in words if word.startswith(_SEGMENT)]
-    segments.remove(told or seen)  # MPI_Finalize, which removes them, will not run (comm/segments.py)
+    segments.remove(told or seen)  # MPI_Finalize, which removes them, will not run (runtime/segments.py)
     if claim_path is None:  # died before the job agreed on a claim file: there is no first death to settle
         return
     if _ABORT not in words:
@@ -289,7 +289,7 @@ def _drain(fd: int) -> None:
 
 
 def _segments_module() -> ModuleType:
-    """comm/segments.py, loaded from beside this file: the sentinel runs without psgrad's package
+    """runtime/segments.py, loaded from beside this file: the sentinel runs without psgrad's package
     (whose import would load torch)."""
     spec = importlib.util.spec_from_file_location("psgrad_segments", Path(__file__).with_name("segments.py"))
     assert spec is not None and spec.loader is not None

@@ -59,7 +59,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 def die_by_signal(signum: int) -> None:
     """End this process by ``signum``'s default action (the process manager then ends the job),
-    after removing the MPI library's shared-memory segments it maps (comm/segments.py)."""
+    after removing the MPI library's shared-memory segments it maps (runtime/segments.py)."""
     from . import segments
 
     segments.remove(segments.job_segments())
@@ -83,7 +83,7 @@ def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
 def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
     """Within, each of ``STOP_SIGNALS`` ends this process by the signal's default action, as
     without a handler, but first removes the MPI library's shared-memory segments it maps, which
-    only ``MPI_Finalize`` would have removed (comm/segments.py). For a rank of a multi-rank launch
+    only ``MPI_Finalize`` would have removed (runtime/segments.py). For a rank of a multi-rank launch
     while it starts or ends, outside ``stop_signals_raise``: a rank leaving there by a normal exit
     hung the job, one killed by the signal is one the process manager ends the job for, but took
     the segment with it into /dev/shm for good. Main thread only, as every handler."""

@@ -15,7 +15,7 @@ A helper thread on every rank, on its own duplicate communicator:
    ends within about a minute.
 5. On a clean end each rank says goodbye, and is watched no longer.
 6. A rank that dies outright takes the job down with it at once (the launcher's cleanup), faster
-   than any heartbeat: its sentinel process names it (comm/sentinel.py).
+   than any heartbeat: its sentinel process names it (runtime/sentinel.py).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class LocalWorld:
         self.polled = [0.0] * size
         self.running = set(range(size))
         self.news = [threading.Condition(self.lock) for _ in range(size)]
-        self.stacked = None  # psgrad.stacked.StackedWorkers, when simulate computes the workers as one
+        self.stacked = None  # psgrad.sim.stacked.StackedWorkers, when simulate computes the workers as one
         self.epoch = [0] * size  # per rank: how many times news came for it
 
     def notify(self, ranks: range | list[int]) -> None:

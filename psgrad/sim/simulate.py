@@ -15,7 +15,7 @@ ranks compute in parallel on the machine's cores, at most ``--cores`` of them at
 local transport's core tokens); ``--threads`` stays the torch threads per rank.
 
 With ``stack`` (``--stack``, the default) the workers' forwards and backwards are one pass of a
-stacked model instead (``psgrad.stacked``): the thread that called ``simulate`` runs it, for the
+stacked model instead (``psgrad.sim.stacked``): the thread that called ``simulate`` runs it, for the
 worker that handed in the last batch of the step, while it waits for the rank threads to end.
 With more cores the workers are as many stacked groups, one per core, whose passes run side by
 side (on two cores 1.1-1.3x as fast as one pass per worker, docs/benchmarks.md).
@@ -40,11 +40,44 @@ from ..optim import OptimizerFn
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
 from ..train import RunResult, run
-from . import deferred_mpi  # noqa: F401 -- before anything imports mpi4py's MPI
 from .local import LocalTransport, LocalWorld, Meeting
 from .stacked import StackedWorkers
 
 DEFAULT_STALL = 60.0
+
+
+def _play_out(world: LocalWorld, threads: list[threading.Thread], *, log_dir: str | None) -> None:
+    """Start the ranks' threads and serve them until every one has ended.
+
+    1. Every rank trains on the same sets: loaded once, held once (``shared_loads``).
+    2. This thread joins the ranks in slices of 0.2 s (Ctrl-C reaches it between them, and the
+       machine's memory is looked at), running the stacked passes meanwhile.
+    3. Ctrl-C or SIGTERM: said once, every rank stopped (at most 10 s), the checkpoint that resumes
+       the run named, and the stop raised again.
+    """
+    with shared_loads():
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
+                    world.watch()
+        except KeyboardInterrupt as err:
+            reason, _ = stop_reason(err)
+            say(f"[psgrad] {reason}")
+            world.fail(reason)
+            if world.stacked is not None:
+                world.stacked.close(reason)
+            deadline = time.monotonic() + 10.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if (hint := checkpoint.resume_hint(log_dir)) is not None:  # now no rank writes one any more
+                say(f"[psgrad] {hint}")
+            raise
+        finally:
+            if world.stacked is not None:
+                world.stacked.close("the simulation ended")
 
 
 def world_size(cfg: RunConfig, workers: int) -> int:
@@ -101,7 +134,7 @@ def simulate(
 
     The arguments are ``train.run``'s (each rank calls it with them); at most ``cores`` ranks run
     at a time (default: the cores this process may use); ``stack`` computes the workers' forwards
-    and backwards as stacked models (``psgrad.stacked``), one group of workers per core; False: one
+    and backwards as stacked models (``psgrad.sim.stacked``), one group of workers per core; False: one
     pass per worker. Raises the first error any rank hit. Torch's thread count, which is the
     process's and which every rank and stacked pass sets, is the caller's again on return."""
     size = world_size(cfg, workers)
@@ -134,31 +167,10 @@ def simulate(
             world.leave(rank)
 
     threads = [threading.Thread(target=play, args=(r,), name=f"psgrad-rank-{r}", daemon=True) for r in range(size)]
-    with shared_loads():  # every rank trains on the same sets: loaded once, held once
-        for thread in threads:
-            thread.start()
-        try:
-            for thread in threads:
-                while thread.is_alive():
-                    # in slices: Ctrl-C reaches this thread between them, and memory is looked at
-                    thread.join(0.2) if world.stacked is None else world.stacked.serve(0.2)
-                    world.watch()
-        except KeyboardInterrupt as err:
-            reason, _ = stop_reason(err)
-            say(f"[psgrad] {reason}")
-            world.fail(reason)
-            if world.stacked is not None:
-                world.stacked.close(reason)
-            deadline = time.monotonic() + 10.0
-            for thread in threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            if (hint := checkpoint.resume_hint(cfg.log_dir)) is not None:  # now no rank writes one any more
-                say(f"[psgrad] {hint}")
-            raise
-        finally:
-            if world.stacked is not None:
-                world.stacked.close("the simulation ended")
-            torch.set_num_threads(callers_threads)
+    try:
+        _play_out(world, threads, log_dir=cfg.log_dir)
+    finally:
+        torch.set_num_threads(callers_threads)
     if world.memory_short is not None:
         raise MemoryError(world.memory_short)
     if errors:

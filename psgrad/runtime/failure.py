@@ -1,0 +1,81 @@
+"""How a rank's run ends when ``train.run`` fails or is stopped: what it says, and how the job
+ends with it (``end_on_failure``)."""
+
+from __future__ import annotations
+
+import errno
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+from .. import checkpoint
+from ..metrics import say
+from ..startup import AgreementError
+from .signals import ignore_further_stops, stop_reason
+
+if TYPE_CHECKING:  # the interfaces only: importing the MPI transport starts MPI
+    from ..comm.transport import Transport
+    from .watchdog import Watchdog
+
+
+def end_on_failure(
+    err: BaseException, *, transport: Transport, watchdog: Watchdog, log_dir: str | None, doing: str
+) -> None:
+    """Say how this rank's run ended with ``err`` and end the job with it (the caller re-raises).
+
+    1. A simulated rank stopped by another's failure, and a disagreement (said once by one rank),
+       end quietly.
+    2. Ctrl-C or SIGTERM: one line (where it stopped), rank 0 the checkpoint that resumes the
+       run, further stops ignored, and the job aborted with the shell's status for the signal.
+    3. Any other error: one line; a full disk adds the resume hint, and an error other than a
+       checkpoint's its traceback; the job is aborted with status 1, the abort claimed unless a
+       dead peer's sentinel names it.
+    """
+    if getattr(err, "reported_elsewhere", False):
+        return
+    if isinstance(err, AgreementError):
+        watchdog.stop()
+        return
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
+        reason, status = stop_reason(err)
+        say(f"[psgrad rank {transport.rank}] {reason} while {doing}")
+        _say_resume_hint(transport.rank, log_dir)
+        if transport.size > 1:
+            ignore_further_stops()
+        _end_job(transport, watchdog, reason, status)
+        return
+    say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}")
+    if _disk_full(err):  # the system's words say it all; what to resume from once there is room
+        _say_resume_hint(transport.rank, log_dir)
+    elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
+        traceback.print_exc(file=sys.stderr)
+    from ..comm.transport import PeerFailure  # here: importing the MPI transport starts MPI
+
+    # a dead peer's sentinel names it, not this rank
+    _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
+
+
+def _say_resume_hint(rank: int, log_dir: str | None) -> None:
+    """Rank 0 names the checkpoint that continues the run (``checkpoint.resume_hint``)."""
+    if rank == 0 and (hint := checkpoint.resume_hint(log_dir)) is not None:
+        say(f"[psgrad] {hint}")
+
+
+def _end_job(transport: Transport, watchdog: Watchdog, claim: str | None, status: int) -> None:
+    """With other ranks: claim the abort (unless ``claim`` is None), then abort the job with
+    ``status`` whatever the claim does (a claim that failed on a full disk once skipped the abort,
+    and the other ranks waited for the watchdog)."""
+    if transport.size < 2:
+        return
+    try:
+        if claim is not None:
+            watchdog.claim(claim)
+    finally:
+        transport.abort(status)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """A full disk or an exceeded quota, here or behind ``err`` (``checkpoint.system_error``): the
+    system's words say it all, no traceback needed."""
+    system = checkpoint.system_error(err)
+    return system is not None and system.errno in (errno.ENOSPC, errno.EDQUOT)
