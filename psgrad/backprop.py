@@ -23,7 +23,7 @@ from .models.layout import in_layout, map_tensors, memory_format
 from .models.step import StepStart
 
 if TYPE_CHECKING:  # the interface only: backprop itself needs no MPI
-    from .comm.transport import SharedPass
+    from .comm.waiting import SharedPass
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

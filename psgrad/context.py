@@ -34,14 +34,13 @@ from .comm.layout import RankLayout
 from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .comm.transport import Transport
 from .config import RunConfig
-from .data import DataError, ImageSet, ShardLoader, load_dataset
 from .evaluation import Evaluations
 from .feedback import NoFeedback, make_feedback
 from .metrics import MetricsLog
 from .models import build_model
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 from .roles import topology_of
-from .startup import agree
+from .shards import rank_data
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 T = TypeVar("T")
@@ -49,23 +48,6 @@ T = TypeVar("T")
 _GLOBAL_RNG = threading.Lock()
 """Held while a model is built from torch's global generator: simulated ranks share a process,
 and one rank seeding while another draws its initial weights would give them different models."""
-
-
-class _IterLoader:
-    """Adapts a re-iterable loader of (inputs, labels) to ``batch(step)`` (epochs restart it)."""
-
-    def __init__(self, iterable: Iterable) -> None:
-        self.iterable = iterable
-        self.steps_per_epoch = len(iterable)  # type: ignore[arg-type]
-        self._it, self._next = None, 0
-
-    def batch(self, step: int):
-        if self._it is None or step != self._next or step % self.steps_per_epoch == 0:
-            self._it = iter(self.iterable)
-            for _ in range(step % self.steps_per_epoch):
-                next(self._it)
-        self._next = step + 1
-        return next(self._it)
 
 
 def device_problem(cfg: RunConfig) -> str | None:
@@ -139,7 +121,7 @@ class RunContext:
         model = _initial_model(cfg, model_fn)
         layers = _layer_plan(cfg, model=model, layout=layout, transport=transport)
         label = cfg.dataset_label if loader_fn is None else "custom data"
-        loader, test_set = _data(
+        loader, test_set = rank_data(
             cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None
         )
         device = _rank_device(cfg, transport=transport, layout=layout)
@@ -374,60 +356,3 @@ class Role:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from a checkpoint's ``state`` (the dict ``state_dict`` gave, plus ``step``)."""
-
-
-def load_split(cfg: RunConfig, split: str) -> ImageSet:
-    """``split`` ("train" or "test") of ``cfg``'s dataset: read (CIFAR) or generated from its seed."""
-    return load_dataset(
-        cfg.dataset,
-        split,
-        data_dir=cfg.data_dir,
-        synthetic_classes=cfg.synthetic_classes,
-        synthetic_size=cfg.synthetic_samples,
-        seed=cfg.seed,
-    )
-
-
-def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> T | None:
-    """``read()`` on every rank, then agree (collective): a dataset that cannot serve the run
-    (``DataError``, a missing file) is one error for the job, said once by the lowest rank that has
-    it (``startup.agree``), and ``AgreementError`` on every rank; not a traceback per rank."""
-    try:
-        result, problem = read(), None
-    except (DataError, FileNotFoundError) as err:
-        result, problem = None, str(err)
-    agree(transport, None if problem else cfg, problem, "data error")
-    return result
-
-
-def _data(
-    cfg: RunConfig, *, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
-) -> tuple[object | None, ImageSet | None]:
-    """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
-    caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be
-    read, or is too small for one batch a worker, stops the job here, not at the first evaluation
-    hours in."""
-    rank = transport.rank
-
-    def read() -> tuple[object | None, ImageSet | None]:
-        loader = None
-        if layout.is_worker(rank):
-            index, workers = layout.worker_index(rank), layout.num_workers
-            if loader_fn is not None:
-                loader = loader_fn(index, workers)
-                loader = loader if hasattr(loader, "batch") else _IterLoader(loader)
-            else:
-                train = load_split(cfg, "train")
-                loader = ShardLoader(
-                    train,
-                    dataset=cfg.dataset,
-                    worker=index,
-                    workers=workers,
-                    batch_size=cfg.batch_size,
-                    seed=cfg.seed,
-                    partition=cfg.partition,
-                    augment=cfg.augment,
-                )
-        return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
-
-    return read_agreed(cfg, transport, read)

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import checkpoint
 from .comm.layout import RankLayout
-from .comm.transport import PeerFailure, Transport, on_job_end
+from .comm.transport import Transport, on_job_end
+from .comm.waiting import PeerFailure
 from .config import RunConfig
 from .context import LossFn, RunContext, device_problem
 from .metrics import tensorboard_problem

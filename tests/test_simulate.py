@@ -23,7 +23,7 @@ from conftest import interrupt_when, metrics_rows, run_bounded, run_local_ranks,
 
 from psgrad import data as datasets
 from psgrad.cli import main
-from psgrad.comm.transport import PeerFailure
+from psgrad.comm.waiting import PeerFailure
 from psgrad.config import RunConfig
 from psgrad.data import load_cifar, make_synthetic
 from psgrad.sim.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled

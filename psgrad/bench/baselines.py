@@ -41,7 +41,7 @@ BASELINES = ("compute", "ddp", "ddp-powersgd")
 
 
 def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
-    from ..context import load_split  # as every context import here: mpi4py's MPI only inside the job
+    from ..shards import load_split  # as every such import here: mpi4py's MPI only inside the job
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
@@ -167,7 +167,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
     from ..comm.transport import Transport  # imported here: importing mpi4py's MPI initialises MPI
-    from ..context import load_split, read_agreed
+    from ..shards import load_split, read_agreed
 
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()

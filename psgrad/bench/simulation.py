@@ -57,7 +57,7 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor)
-    from ..context import load_split  # here, not above: ..simulate first keeps MPI from starting at import
+    from ..shards import load_split  # here, not above: ..simulate first keeps MPI from starting at import
 
     data = load_split(cfg, "train")
     loader = ShardLoader(

@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..comm.protocol import load_buffers_vector
-from ..comm.transport import Patience
+from ..comm.waiting import Patience
 from ..context import Role, RunContext
 from .server import SERVERS, ServingThread
 from .worker import Worker

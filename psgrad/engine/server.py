@@ -59,7 +59,8 @@ from ..comm.protocol import (
     tensor_message,
     upload_bound,
 )
-from ..comm.transport import SERVER_PATIENCE, Backoff, Handle, Patience
+from ..comm.transport import Handle
+from ..comm.waiting import SERVER_PATIENCE, Backoff, Patience
 from ..context import RunContext
 from ..metrics import StepAggregator
 from ..optim import learning_rate

@@ -47,7 +47,8 @@ from ..comm.protocol import (
     load_buffers_vector,
     tensor_message,
 )
-from ..comm.transport import Handle, Patience
+from ..comm.transport import Handle
+from ..comm.waiting import Patience
 from ..context import RunContext
 from ..feedback import NoFeedback
 from ..optim import learning_rate

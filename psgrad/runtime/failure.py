@@ -49,7 +49,7 @@ def end_on_failure(
         _say_resume_hint(transport.rank, log_dir)
     elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
         traceback.print_exc(file=sys.stderr)
-    from ..comm.transport import PeerFailure  # here: importing the MPI transport starts MPI
+    from ..comm.waiting import PeerFailure  # here: importing the MPI transport starts MPI
 
     # a dead peer's sentinel names it, not this rank
     _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import msgpack
 
-from ..comm.transport import WAITING, Handle, Transport
+from ..comm.transport import Handle, Transport
+from ..comm.waiting import WAITING
 from ..metrics import say
 from . import segments
 from .sentinel import Sentinel, adopt_early

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..comm.transport import Handle, Idle, Patience, PeerFailure, SharedPass, Transport
+from ..comm.transport import Handle, Transport
+from ..comm.waiting import Idle, Patience, PeerFailure, SharedPass
 from ..metrics import say
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .. import memory
-from ..comm.transport import Idle
+from ..comm.waiting import Idle
 from ..metrics import say
 from ..models.layout import in_layout, layout_of
 from ..models.step import StepStart

@@ -1,0 +1,92 @@
+"""This rank's data for a run: a worker's batches (psgrad's dataset shards or the caller's
+loader) and rank 0's test set, read before the first step and agreed on by every rank, so a
+dataset that cannot serve the run stops the job once, before any training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
+
+from .comm.layout import RankLayout
+from .config import RunConfig
+from .data import DataError, ImageSet, ShardLoader, load_dataset
+from .startup import agree
+
+if TYPE_CHECKING:  # the interface only: importing the MPI transport starts MPI
+    from .comm.transport import Transport
+
+T = TypeVar("T")
+
+
+class IterLoader:
+    """Adapts a re-iterable loader of (inputs, labels) to ``batch(step)`` (epochs restart it)."""
+
+    def __init__(self, iterable: Iterable) -> None:
+        self.iterable = iterable
+        self.steps_per_epoch = len(iterable)  # type: ignore[arg-type]
+        self._it, self._next = None, 0
+
+    def batch(self, step: int):
+        if self._it is None or step != self._next or step % self.steps_per_epoch == 0:
+            self._it = iter(self.iterable)
+            for _ in range(step % self.steps_per_epoch):
+                next(self._it)
+        self._next = step + 1
+        return next(self._it)
+
+
+def load_split(cfg: RunConfig, split: str) -> ImageSet:
+    """``split`` ("train" or "test") of ``cfg``'s dataset: read (CIFAR) or generated from its seed."""
+    return load_dataset(
+        cfg.dataset,
+        split,
+        data_dir=cfg.data_dir,
+        synthetic_classes=cfg.synthetic_classes,
+        synthetic_size=cfg.synthetic_samples,
+        seed=cfg.seed,
+    )
+
+
+def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> T | None:
+    """``read()`` on every rank, then agree (collective): a dataset that cannot serve the run
+    (``DataError``, a missing file) is one error for the job, said once by the lowest rank that has
+    it (``startup.agree``), and ``AgreementError`` on every rank; not a traceback per rank."""
+    try:
+        result, problem = read(), None
+    except (DataError, FileNotFoundError) as err:
+        result, problem = None, str(err)
+    agree(transport, None if problem else cfg, problem, "data error")
+    return result
+
+
+def rank_data(
+    cfg: RunConfig, *, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
+) -> tuple[object | None, ImageSet | None]:
+    """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
+    caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be
+    read, or is too small for one batch a worker, stops the job here, not at the first evaluation
+    hours in."""
+    rank = transport.rank
+
+    def read() -> tuple[object | None, ImageSet | None]:
+        loader = None
+        if layout.is_worker(rank):
+            index, workers = layout.worker_index(rank), layout.num_workers
+            if loader_fn is not None:
+                loader = loader_fn(index, workers)
+                loader = loader if hasattr(loader, "batch") else IterLoader(loader)
+            else:
+                train = load_split(cfg, "train")
+                loader = ShardLoader(
+                    train,
+                    dataset=cfg.dataset,
+                    worker=index,
+                    workers=workers,
+                    batch_size=cfg.batch_size,
+                    seed=cfg.seed,
+                    partition=cfg.partition,
+                    augment=cfg.augment,
+                )
+        return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
+
+    return read_agreed(cfg, transport, read)
