@@ -441,7 +441,7 @@ def _server(layers, rank: int = 0, servers: int = 1):
 
     from psgrad.codecs import make_codec
     from psgrad.config import RunConfig
-    from psgrad.engine.server import SyncServer
+    from psgrad.engine.serving import SyncServer
     from psgrad.feedback import NoFeedback
     from psgrad.optim import LayerOptimizer
 

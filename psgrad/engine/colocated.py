@@ -23,7 +23,7 @@ import torch
 from ..comm.protocol import load_buffers_vector
 from ..comm.waiting import Patience
 from ..context import Role, RunContext
-from .server import SERVERS, ServingThread
+from .serving import SERVERS, ServingThread
 from .worker import Worker
 
 

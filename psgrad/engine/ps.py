@@ -13,7 +13,7 @@ import torch
 
 from ..comm.protocol import load_buffers_vector
 from ..context import Role, RunContext
-from .server import SERVERS
+from .serving import SERVERS
 from .worker import Worker
 
 
