@@ -147,7 +147,7 @@ def metrics_rows(log_dir: Path) -> list[dict]:
 
 
 def run_local_ranks(world, body) -> list:
-    """Run ``body(rank)`` for every rank of the simulated ``world`` (comm/local.py), each in a thread
+    """Run ``body(rank)`` for every rank of the simulated ``world`` (sim/world.py), each in a thread
     of its own, as ``psgrad simulate`` does: a rank that raises fails the world. Returns each rank's
     result or exception; a rank still running after a minute fails the test."""
     import threading

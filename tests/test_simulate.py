@@ -26,8 +26,9 @@ from psgrad.cli import main
 from psgrad.comm.waiting import PeerFailure
 from psgrad.config import RunConfig
 from psgrad.data import load_cifar, make_synthetic
-from psgrad.sim.local import LocalTransport, LocalWorld, OtherRankFailed, Stalled
+from psgrad.sim.local import LocalTransport
 from psgrad.sim.simulate import simulate, world_size
+from psgrad.sim.world import LocalWorld, OtherRankFailed, Stalled
 
 SMALL = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "16", "--dataset", "synthetic"]
 

@@ -13,8 +13,10 @@ from torch import nn
 
 from psgrad.models import build_model
 from psgrad.sim import stacked as stacked_module
-from psgrad.sim.local import LocalWorld, Meeting, OtherRankFailed
+from psgrad.sim import stacked_layers
+from psgrad.sim.local import Meeting
 from psgrad.sim.stacked import StackedPass, StackError, stack_inputs
+from psgrad.sim.world import LocalWorld, OtherRankFailed
 
 N, B = 3, 4
 
@@ -52,8 +54,8 @@ def test_every_model_gets_its_own_loss_gradient_and_batchnorm_statistics(name, l
     for model in [*models, *alone]:
         model.train()
     shared = []
-    apply = stacked_module.SharedWeights.apply
-    monkeypatch.setattr(stacked_module.SharedWeights, "apply", lambda *args: shared.append(1) or apply(*args))
+    apply = stacked_layers.SharedWeights.apply
+    monkeypatch.setattr(stacked_layers.SharedWeights, "apply", lambda *args: shared.append(1) or apply(*args))
     losses = StackedPass(models).run(images, labels, F.cross_entropy)
     convolutions = [m for m in models[0].modules() if isinstance(m, nn.Conv2d)]
     # the check pass (eval) and the training pass each run the shared ones

@@ -2,7 +2,7 @@
 
 1. The topology's rank layout for ``workers`` workers gives the number of ranks (the ps topology
    adds its ``--servers`` ranks).
-2. The ranks share one ``comm.local.LocalWorld``. Each rank runs ``train.run`` in a thread of its
+2. The ranks share one ``sim.world.LocalWorld``. Each rank runs ``train.run`` in a thread of its
    own, on its ``LocalTransport``: the roles, codecs, feedback, optimizers and metrics are the
    ones an MPI job runs, so the same seed and settings give the same trajectory (up to the order
    of floating-point sums, as between two MPI runs).
@@ -40,8 +40,9 @@ from ..optim import OptimizerFn
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
 from ..train import RunResult, run
-from .local import LocalTransport, LocalWorld, Meeting
+from .local import LocalTransport, Meeting
 from .stacked import StackedWorkers
+from .world import LocalWorld
 
 DEFAULT_STALL = 60.0
 
