@@ -40,6 +40,7 @@ from ..comm.protocol import (
 from ..comm.transport import Handle
 from ..context import Role, RunContext
 from ..optim import learning_rate
+from .clock import StepClock
 from .peers import PeerRows, load_replica_state, replica_state
 
 
@@ -185,13 +186,11 @@ class PeerRole(Role):
         self.next = 0
         self.acc = {layer.index: torch.zeros(layer.numel) for layer in self.layers}
         self.skipping: set[int] = set()  # layers a rank marked skipped (non-finite) this step
-        start = time.perf_counter()
+        clock = StepClock()
         self.doing = f"step {step}: forward"
-        t_fwd = start
 
         def after_first_forward() -> None:
-            nonlocal t_fwd
-            t_fwd = time.perf_counter()
+            clock.mark("forward_done")
             self.doing = f"step {step}: backward"
 
         loss = self.backprop.run(images, labels, after_first_forward)
@@ -200,11 +199,11 @@ class PeerRole(Role):
             if (layer.index, 1) not in self.ready:
                 self._encode(layer, self.backprop.gradient(self.params_by_name, layer))
         self.backprop.end_step(self.stats.nonfinite > 0)
-        t_bwd = time.perf_counter()
+        clock.mark("backward_done")
         self.doing = f"step {step}: exchanging gradients"
         while self.next < len(self.queue) or self.inflight:
             self._pump(block=True)
-        t_wait = time.perf_counter()
+        clock.mark("exchanged")
         lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.size)
         with torch.no_grad():
             for layer in self.layers:
@@ -214,13 +213,10 @@ class PeerRole(Role):
                 values = layer_values(self.params_by_name, layer)
                 self.optimizer.step(layer.name, values, self.acc[layer.index], lr)
                 copy_flat_into(self.params_by_name, layer.params, values)
-        end = time.perf_counter()
+        clock.mark("end")
         s = self.stats
-        s.loss = loss
-        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
-        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - s.encode - waited
-        s.push_wait, s.apply, s.step_time = waited + t_wait - t_bwd - s.decode, end - t_wait, end - start
-        return s
+        s.loss, s.apply = loss, clock.end - clock.exchanged
+        return clock.fill(s, in_backward=s.encode, in_exchange=s.decode, waited=self.backprop.waited)
 
     # ------------------------------------------------------------------ the Role interface
     def step(self, step: int) -> list[dict]:

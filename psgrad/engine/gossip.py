@@ -49,6 +49,7 @@ from ..comm.transport import Handle
 from ..context import Role, RunContext
 from ..optim import learning_rate
 from ..roles import topology_of
+from .clock import StepClock
 from .peers import PeerRows, load_replica_state, replica_state
 
 
@@ -95,14 +96,12 @@ class GossipRole(Role):
         self.sends: list[Handle] = []
         self.sent: set[int] = set()
         self.gate.reset()
-        start = time.perf_counter()
+        clock = StepClock()
         self.doing = f"step {step}: forward and backward"
         recvs: dict[tuple[int, int], Handle] = {}
-        t_fwd = start
 
         def post_receives() -> None:
-            nonlocal t_fwd
-            t_fwd = time.perf_counter()
+            clock.mark("forward_done")
             for j in self.neighbours:
                 for layer in self.layers:
                     recvs[(j, layer.index)] = self.world.irecv(
@@ -112,12 +111,12 @@ class GossipRole(Role):
         s.loss = self.backprop.run(images, labels, post_receives)
         self.backprop.finish(self.params_by_name)
         in_hooks = s.encode + s.apply
-        t_bwd = time.perf_counter()
+        clock.mark("backward_done")
         for layer in self.layers:
             if layer.index not in self.sent:
                 self._local_step_and_send(layer)
         self.backprop.end_step(s.nonfinite > 0)
-        t_sent = time.perf_counter()
+        clock.mark("exchange_started")
         self.doing = f"step {step}: waiting for the neighbours' messages"
         for (j, index), handle in recvs.items():
             handle.wait()
@@ -128,7 +127,7 @@ class GossipRole(Role):
             Envelope("grad", layer.name, step, j).check(msg)
             self._codec(layer).decode_add(msg, self.public[(j, index)])
             s.decode += time.perf_counter() - decode_start
-        t_recv = time.perf_counter()
+        clock.mark("exchanged")
         with torch.no_grad():
             for layer in self.layers:  # 4. x_i += gamma sum_j w_ij (x_hat_j - x_hat_i)
                 mine = self.public[(self.rank, layer.index)]
@@ -137,13 +136,9 @@ class GossipRole(Role):
                     x = self._values(layer).add_(pull, alpha=self.cfg.consensus_step * self.weight)
                     copy_flat_into(self.params_by_name, layer.params, x)
         self.world.wait_all(self.sends)
-        end = time.perf_counter()
-        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
-        s.forward, s.backward = t_fwd - start, (t_bwd - t_fwd) - in_hooks - waited
-        s.push_wait = waited + (t_recv - t_sent) - s.decode
-        s.apply += end - t_recv
-        s.step_time = end - start
-        return s
+        clock.mark("end")
+        s.apply += clock.end - clock.exchanged
+        return clock.fill(s, in_backward=in_hooks, in_exchange=s.decode, waited=self.backprop.waited)
 
     def _local_step_and_send(self, layer: Layer) -> None:
         """Steps 1 and 2 for one layer: the local update, then its public copy's change, sent."""

@@ -52,6 +52,7 @@ from ..comm.waiting import Patience
 from ..context import RunContext
 from ..feedback import NoFeedback
 from ..optim import learning_rate
+from .clock import StepClock
 from .server import BUFFERS_LAYER, ServerBase
 
 
@@ -322,14 +323,12 @@ class Worker:
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         self.step, self.sent, self.stats = step, set(), StepStats(step=step)
         self.gate.reset()
-        start = time.perf_counter()
+        clock = StepClock()
         self.doing = f"step {step}: forward"
-        t_fwd = start
 
         def after_first_forward() -> None:
-            nonlocal t_fwd
             self.finish_pulls()
-            t_fwd = time.perf_counter()
+            clock.mark("forward_done")
             self.post_pulls(step + 1)
             self.doing = f"step {step}: backward"
 
@@ -337,7 +336,7 @@ class Worker:
         self.backprop.finish(self.params)
         self.push_missing()
         self.backprop.end_step(self.stats.nonfinite > 0)
-        t_bwd = time.perf_counter()
+        clock.mark("backward_done")
         s = self.stats
         encode_in_backward, serve_in_backward = s.encode, s.serve
         self.doing = f"step {step}: exchanging later rounds"
@@ -351,15 +350,17 @@ class Worker:
         else:
             self.transport.wait_all(self.sends, self._idle())
             self.sends = []
-        end = time.perf_counter()
+        clock.mark("exchanged")
+        clock.mark("end")
         s.loss = loss
-        s.forward = (t_fwd - start) - s.pull_wait - s.decode - s.apply
-        # coding and serving are counted inside the phases they interrupted: take them out
-        waited = self.backprop.waited  # the shared pass's wait for the other ranks: a wait, not compute
-        s.backward = max(0.0, (t_bwd - t_fwd) - encode_in_backward - serve_in_backward - waited)
-        s.push_wait = waited + max(0.0, (end - t_bwd) - (s.encode - encode_in_backward) - (s.serve - serve_in_backward))
-        s.step_time = end - start
-        return s
+        # pulls in forward, coding and serving in backward and after it have columns of their own
+        return clock.fill(
+            s,
+            in_forward=s.pull_wait + s.decode + s.apply,
+            in_backward=encode_in_backward + serve_in_backward,
+            in_exchange=(s.encode - encode_in_backward) + (s.serve - serve_in_backward),
+            waited=self.backprop.waited,
+        )
 
     def _control(self, msg: Message, dest: int) -> None:
         """Stats, BatchNorm buffers and stop share one tag: MPI keeps messages of one (source, tag)
