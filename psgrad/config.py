@@ -244,7 +244,7 @@ class RunConfig:
     topology: str = setting(
         "ps",
         section=TOPOLOGY,
-        choices=tuple(TOPOLOGIES),
+        choices=TOPOLOGIES.keys(),  # a live view: a topology registered later is a choice too
         help="ps: server ranks and worker ranks; colocated: every rank works and serves a shard of the layers (no extra server rank); alltoall: no server, every rank exchanges with every other; ring / torus: no server, every rank gossips with its ring or torus neighbours only (CHOCO-SGD).",
     )
     servers: int = setting(

@@ -4,7 +4,7 @@ attached to click commands by ``run_options``, and the parsing of a bench row's 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,12 +17,31 @@ from .roles import topology_of
 from .settings import OUTPUT, SECTIONS, Setting, settings_of, unused_reason
 
 
+class LiveChoice(click.Choice):
+    """A choice among a registry's names as they are when the command line is read (click's own
+    Choice copies them when the command is built)."""
+
+    def __init__(self, names: KeysView) -> None:
+        self._names = names
+        super().__init__(names)
+
+    @property
+    def choices(self) -> tuple:
+        return tuple(self._names)
+
+    @choices.setter
+    def choices(self, value: tuple) -> None:
+        """click sets its copy here; the registry's view stays the source."""
+
+
 def _click_type(name: str, f: dataclasses.Field, meta: Setting) -> click.ParamType | type | None:
     """The click type of a declared setting: its choices, range or path; None for a bool flag."""
     kind = str(f.type)
     if kind == "bool":
         return None
     if meta.choices is not None:
+        if isinstance(meta.choices, KeysView):  # a registry's names: one registered later is a choice too
+            return LiveChoice(meta.choices)
         return click.Choice([str(choice) for choice in meta.choices])
     if meta.path is not None:
         return click.Path(exists=meta.path == "existing-dir", file_okay=False)

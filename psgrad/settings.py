@@ -18,7 +18,7 @@ owns them. Pure Python: no click, no torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, KeysView, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ class Setting:
 
     section: str
     help: str
-    choices: tuple | None = None
+    choices: Collection | None = None  # a tuple, or a registry's live keys
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -56,7 +56,7 @@ def setting(
     *,
     section: str,
     help: str,
-    choices: Sequence | None = None,
+    choices: Collection | None = None,
     low: float | None = None,
     high: float | None = None,
     low_open: bool = False,
@@ -70,7 +70,7 @@ def setting(
     meta = Setting(
         section=section,
         help=help,
-        choices=tuple(choices) if choices is not None else None,
+        choices=choices if isinstance(choices, KeysView) or choices is None else tuple(choices),
         low=low,
         high=high,
         low_open=low_open,

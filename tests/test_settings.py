@@ -95,3 +95,40 @@ def test_every_choice_and_range_holds_outside_the_command_line():
     ]:
         with pytest.raises(ValueError, match=text):
             RunConfig(**changes).validate()
+
+
+def test_a_new_topology_is_one_file_and_one_registry_line(monkeypatch):
+    """A topology declared as psgrad's own are (its Topology, here in place of its own file under
+    psgrad/roles/) and registered with one line is a choice of --topology, checked, refused
+    where it cannot run, refuses the options it ignores, and trains through its role factory."""
+    from psgrad.cli import main
+    from psgrad.comm.layout import Topology, without_gossip, without_servers
+    from psgrad.roles import TOPOLOGIES
+
+    refuses, ignores = without_servers("pair")
+    pair = Topology(
+        name="pair",
+        kind="peers",
+        role="psgrad.engine.alltoall:PeerRole",
+        busiest_link=lambda m, servers, workers: m["bytes_up"] / workers,
+        refuses=refuses,
+        ignores={**ignores, **without_gossip("pair")},
+    )
+    monkeypatch.setitem(TOPOLOGIES, "pair", pair)  # the registry line
+
+    cfg = RunConfig(topology="pair", model="mlp", steps=2, batch_size=8, synthetic_size=64, progress=False)
+    assert cfg.validate().topology == "pair"
+    with pytest.raises(ValueError, match="--mode async needs servers"):
+        dataclasses.replace(cfg, mode="async").validate()
+    assert unused_option("servers", dataclasses.replace(cfg, servers=2)) == (
+        "--servers counts the server ranks of --topology ps: pair has none"
+    )
+    args = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "2", "--batch-size", "8"]
+    args += ["--synthetic-size", "64", "--no-progress", "--topology", "pair"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    refused = CliRunner().invoke(main, [*args, "--servers", "2"])
+    assert refused.exit_code == 2 and "pair has none" in refused.output
+    TOPOLOGIES.pop("pair")
+    unknown = CliRunner().invoke(main, args)
+    assert unknown.exit_code == 2 and "'pair' is not one of" in unknown.output
