@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING
 from . import checkpoint
 from .metrics import say
 
-if TYPE_CHECKING:  # the interface only: importing the MPI transport starts MPI
+if TYPE_CHECKING:  # the interface only
     from torch import nn
 
-    from .comm.transport import Transport
+    from .comm.channel import Channel
 
 
 class Checkpoints:
     """Checkpoints of one run on one rank: into ``log_dir`` (else ./checkpoints) every ``every``
     steps and after the last of ``total`` steps whenever there is a log dir."""
 
-    def __init__(self, log_dir: str | None, *, transport: Transport, every: int, total: int) -> None:
+    def __init__(self, log_dir: str | None, *, transport: Channel, every: int, total: int) -> None:
         self.log_dir, self.transport, self.every, self.total = log_dir, transport, every, total
 
     def is_due(self, step: int) -> bool:
@@ -47,7 +47,7 @@ class Checkpoints:
             say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
 
 
-def load_resume(resume: str | None, *, transport: Transport) -> dict | None:
+def load_resume(resume: str | None, *, transport: Channel) -> dict | None:
     """This rank's state in the checkpoint ``resume`` names (collective: every rank checks that
     all the files are of one step), or None without ``--resume``."""
     if not resume:

@@ -30,9 +30,9 @@ from .accuracy import accuracy_note
 from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm import wire
+from .comm.channel import Channel
 from .comm.layout import RankLayout
 from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
-from .comm.transport import Transport
 from .config import RunConfig
 from .evaluation import Evaluations
 from .feedback import NoFeedback, make_feedback
@@ -74,7 +74,7 @@ class RunContext:
     run's evaluations and checkpoints."""
 
     cfg: RunConfig
-    transport: Transport
+    transport: Channel
     layout: RankLayout
     model: nn.Module
     layers: list
@@ -100,7 +100,7 @@ class RunContext:
     def build(
         cls,
         cfg: RunConfig,
-        transport: Transport,
+        transport: Channel,
         *,
         model_fn: Callable[[], nn.Module] | None = None,
         loader_fn: Callable[[int, int], object] | None = None,
@@ -216,7 +216,7 @@ class RunContext:
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
 
 
-def _resumed(cfg: RunConfig, *, transport: Transport, total: int) -> tuple[dict | None, int]:
+def _resumed(cfg: RunConfig, *, transport: Channel, total: int) -> tuple[dict | None, int]:
     """The resumed state of this rank (None without --resume) and the step the run starts at."""
     resume = load_resume(cfg.resume, transport=transport)
     start = int(resume["step"]) if resume else 0
@@ -228,7 +228,7 @@ def _resumed(cfg: RunConfig, *, transport: Transport, total: int) -> tuple[dict 
     return resume, start
 
 
-def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout, transport: Transport) -> list:
+def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout, transport: Channel) -> list:
     """The layers, the units of communication, sharded over the serving ranks by coded bytes."""
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     layers = plan_layers(
@@ -242,7 +242,7 @@ def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout, transpo
     return layers
 
 
-def _rank_device(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> torch.device:
+def _rank_device(cfg: RunConfig, *, transport: Channel, layout: RankLayout) -> torch.device:
     """A worker's device (``--device``), the CPU for a serving-only rank. Collective on every rank
     (--device may differ per rank): a server counts in no GPU index."""
     local_worker = transport.local_rank(group=int(layout.is_worker(transport.rank)))
@@ -302,7 +302,7 @@ def ranks_line(roles: list[str], pids: list[int]) -> str:
     return f"ranks {entries}, all in pid {pids[0]}"
 
 
-def _run_facts(transport: Transport) -> dict:
+def _run_facts(transport: Channel) -> dict:
     """What config.json records of the run itself (not settings): who, where, with what."""
     return {
         "world_size": transport.size,

@@ -12,8 +12,8 @@ from .config import RunConfig
 from .data import DataError, ImageSet, ShardLoader, load_dataset
 from .startup import agree
 
-if TYPE_CHECKING:  # the interface only: importing the MPI transport starts MPI
-    from .comm.transport import Transport
+if TYPE_CHECKING:  # the interface only
+    from .comm.channel import Channel
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def load_split(cfg: RunConfig, split: str) -> ImageSet:
     )
 
 
-def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> T | None:
+def read_agreed(cfg: RunConfig, transport: Channel, read: Callable[[], T]) -> T | None:
     """``read()`` on every rank, then agree (collective): a dataset that cannot serve the run
     (``DataError``, a missing file) is one error for the job, said once by the lowest rank that has
     it (``startup.agree``), and ``AgreementError`` on every rank; not a traceback per rank."""
@@ -60,7 +60,7 @@ def read_agreed(cfg: RunConfig, transport: Transport, read: Callable[[], T]) -> 
 
 
 def rank_data(
-    cfg: RunConfig, *, transport: Transport, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
+    cfg: RunConfig, *, transport: Channel, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> tuple[object | None, ImageSet | None]:
     """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
     caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be

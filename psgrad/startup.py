@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from .choices import option_flag
 
-if TYPE_CHECKING:  # importing the transport loads numpy and MPI: not for --help
-    from .comm.transport import Transport
+if TYPE_CHECKING:  # the interface loads numpy: not for --help
+    from .comm.channel import Channel
     from .config import RunConfig
 
 PER_RANK = frozenset({"device", "threads", "progress"})
@@ -32,7 +32,7 @@ class AgreementError(ValueError):
     """The ranks do not agree; the message was printed once, by one rank."""
 
 
-def _first(transport: Transport, mine: bool) -> int | None:
+def _first(transport: Channel, mine: bool) -> int | None:
     """The lowest rank for which ``mine`` is true (one allreduce), or None."""
     flags = [0.0] * transport.size
     flags[transport.rank] = 1.0 if mine else 0.0
@@ -49,9 +49,7 @@ def config_difference(mine: dict, theirs: dict) -> list[str]:
     ]
 
 
-def agree(
-    transport: Transport, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error"
-) -> None:
+def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error") -> None:
     """Return when every rank is free of usage errors and runs rank 0's config (see module doc).
 
     A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises.

@@ -69,7 +69,7 @@ FLOORS = [
             "psgrad.settings",
             "psgrad.comm.layout",
             "psgrad.comm.waiting",
-            "psgrad.sim.deferred_mpi",
+            "psgrad.comm.channel",
             "psgrad.sim",
             "psgrad.sim.stacked_layers",
             "psgrad.runtime.segments",
@@ -141,12 +141,12 @@ def test_roles_never_import_each_other():
 
 
 def test_only_transport_imports_mpi():
-    """comm/transport.py is the one module that imports mpi4py's MPI (which starts MPI unless told
-    otherwise); sim/deferred_mpi.py imports only the package, to tell it that."""
+    """comm/transport.py is the one module that imports mpi4py (and it tells mpi4py not to start
+    MPI at import); the simulation's transport implements the same interface without it."""
     users = sorted(n for n, imports in MODULES.items() if any(m.startswith("mpi4py") for m in imports))
-    assert users == ["psgrad.comm.transport", "psgrad.sim.deferred_mpi"]
-    tree = ast.parse((ROOT / "sim" / "deferred_mpi.py").read_text())
-    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "mpi4py"]
+    assert users == ["psgrad.comm.transport"]
+    for name in ("psgrad.sim.local", "psgrad.sim.world", "psgrad.sim.stacked", "psgrad.sim.stacked_layers"):
+        assert "psgrad.comm.transport" not in MODULES[name], f"{name} imports the MPI transport"
 
 
 def test_feedback_is_built_in_one_place_with_every_dgc_option():

@@ -747,7 +747,7 @@ def test_the_simulation_benchmark_refuses_a_bad_row_before_measuring(capsys):
 
 
 def test_simulate_starts_no_mpi(tmp_path):
-    """`psgrad simulate` needs no MPI, so it must not start it (comm/deferred_mpi.py): with UCX told
+    """`psgrad simulate` needs no MPI, so it must not start it (the MPI transport starts MPI only when one is made): with UCX told
     to use a transport that does not exist, MPICH's start-up aborted the process before the first
     step. Also: no MPI is running after a simulation in a fresh interpreter."""
     probe = (

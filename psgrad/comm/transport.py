@@ -16,10 +16,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import mpi4py
 import numpy as np
-from mpi4py import MPI
 
-from .waiting import WAITING, WORKER_PATIENCE, Backoff, Idle, Patience, PeerFailure, SharedPass
+if "mpi4py.MPI" not in sys.modules:
+    # MPI starts with the first transport (``start_mpi``), not when this module is imported:
+    # ``psgrad simulate`` and the command line import it and need no MPI, and where a lone process
+    # cannot start MPI (UCX misconfigured, an MPI that needs its launcher) starting it at import
+    # aborted them. mpi4py then finalizes at exit only an MPI that was started.
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True
+from mpi4py import MPI  # noqa: E402 -- after mpi4py's settings above
+
+from .channel import Channel, Handle
+from .waiting import WAITING, WORKER_PATIENCE, Backoff, Idle, Patience, PeerFailure
 
 
 def _peer_failure(err: Exception, peer: int | None) -> PeerFailure:
@@ -31,31 +41,11 @@ def _peer_failure(err: Exception, peer: int | None) -> PeerFailure:
     return PeerFailure(f"communication with rank {peer} failed ({first}): rank {peer} has most likely died")
 
 
-@dataclass
-class Handle:
-    """A pending send, receive or collective; keeps its MPI request and buffer alive until done.
+@dataclass(eq=False)
+class MPIHandle(Handle):
+    """A pending MPI send, receive or collective; the MPI request and status stay in here."""
 
-    Roles use ``test()``, ``wait()`` and ``cancel()``; the MPI request itself stays in here.
-    """
-
-    _request: MPI.Request
-    buffer: bytes | bytearray
-    peer: int
-    tag: int
-    key: object = None
-    count: int = -1
-    transport: Transport | None = None
     status: MPI.Status = field(default_factory=MPI.Status)
-    started: float = field(default_factory=time.perf_counter)
-    finished: float = 0.0
-
-    def payload(self) -> memoryview:
-        """The received bytes (valid after completion of a receive)."""
-        return memoryview(self.buffer)[: self.count]
-
-    @property
-    def done(self) -> bool:
-        return self.finished != 0.0
 
     def test(self) -> bool:
         """True once the operation completed (drives MPI's progress engine)."""
@@ -105,11 +95,8 @@ class Handle:
 # costs far less than that, and only on the step's last layer.
 
 
-class Transport:
+class Transport(Channel):
     """Point-to-point and collective non-blocking messaging on one communicator."""
-
-    separate_processes = True
-    """Each rank is a process of its own (an in-process transport's ranks share one)."""
 
     def __init__(self, comm: MPI.Comm | None = None) -> None:
         start_mpi()
@@ -121,10 +108,6 @@ class Transport:
         self.idle_seconds = 0.0
         # per thread: a colocated rank's serving thread polls beside its worker (--serve-thread)
         self._scratch = threading.local()
-
-    def shared_pass(self) -> SharedPass | None:
-        """The pass this rank computes together with others, if any: none across processes."""
-        return None
 
     def dup(self) -> Transport:
         """A transport on a duplicate of this communicator (its own matching space for collectives)."""
@@ -146,7 +129,7 @@ class Transport:
     def _handle(
         self, request: MPI.Request, buffer, peer: int, tag: int, *, key: object = None, count: int = -1
     ) -> Handle:
-        return Handle(request, buffer, peer, tag, key, count, transport=self)
+        return MPIHandle(request, buffer, peer, tag, key, count, transport=self)
 
     # ---------------------------------------------------------------- point to point
     def isend(self, data: bytes, dest: int, tag: int, key: object = None) -> Handle:
@@ -160,10 +143,6 @@ class Transport:
         buf = buffer if buffer is not None and len(buffer) >= nbytes else bytearray(nbytes)
         request = self.comm.Irecv([buf, nbytes, MPI.BYTE], source=source, tag=tag)
         return self._handle(request, buf, source, tag, key=key)
-
-    def repost(self, handle: Handle) -> Handle:
-        """Post the same receive again into the same buffer (after its payload was consumed)."""
-        return self.irecv(len(handle.buffer), handle.peer, handle.tag, key=handle.key, buffer=handle.buffer)
 
     def test_some(self, handles: Sequence[Handle]) -> list[int]:
         """Indices of the handles that completed now (each is reported once)."""
@@ -211,21 +190,6 @@ class Transport:
                     self.idle_seconds += backoff.slept
                     return []
                 backoff.idle()
-
-    def wait_all(self, handles: Sequence[Handle], idle: Idle | None = None) -> None:
-        for handle in handles:
-            handle.wait(idle)
-
-    def progress(self, handles: list[Handle]) -> list[Handle]:
-        """Drive MPI's progress engine and drop the handles that are done (cheap; call often).
-
-        Done, not just completed in this call: a handle completed earlier (a local send is done
-        when made, a waited one by its wait) would otherwise stay in the caller's list, and with
-        it its buffer, for the rest of the run."""
-        if not handles:
-            return handles
-        self.test_some(handles)
-        return [h for h in handles if not h.done]
 
     # ---------------------------------------------------------------- collectives
     def iallgather_sizes(self, nbytes: int) -> tuple[Handle, np.ndarray]:
@@ -324,8 +288,8 @@ def mpi_library() -> str:
 
 
 def start_mpi() -> None:
-    """Initialise MPI at thread level multiple, unless it runs already: mpi4py does that when it is
-    imported, except in a process that imported ``sim.deferred_mpi`` first (``psgrad simulate``)."""
+    """Initialise MPI at thread level multiple, unless it runs already (a process that imported
+    mpi4py's MPI before this module had mpi4py start it then)."""
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
 

@@ -33,6 +33,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
+from ..comm.channel import Handle
 from ..comm.envelope import Envelope
 from ..comm.protocol import (
     GradientGate,
@@ -45,7 +46,6 @@ from ..comm.protocol import (
     skip_update,
     upload_bound,
 )
-from ..comm.transport import Handle
 from ..context import Role, RunContext
 from ..optim import learning_rate
 from ..roles import topology_of

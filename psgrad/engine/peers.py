@@ -9,8 +9,8 @@ from dataclasses import astuple, fields
 import torch
 
 from ..backprop import Backprop
+from ..comm.channel import Channel
 from ..comm.protocol import TIME_KEYS, StepStats, buffers_vector, load_buffers_vector
-from ..comm.transport import Transport
 from ..context import RunContext
 from ..optim import learning_rate
 
@@ -19,7 +19,7 @@ class PeerRows:
     """Rank 0's metrics row of a step whose every rank trained: the ranks' statistics summed in one
     small allreduce (collective: every rank calls ``row``), loss and times averaged, bytes summed."""
 
-    def __init__(self, ctx: RunContext, transport: Transport) -> None:
+    def __init__(self, ctx: RunContext, transport: Channel) -> None:
         self.ctx, self.transport = ctx, transport
         self.first = self.last = time.perf_counter()
 

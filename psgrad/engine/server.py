@@ -40,6 +40,7 @@ from torch import nn
 
 from ..codecs import Codec, Message, make_codec
 from ..comm import wire
+from ..comm.channel import Handle
 from ..comm.envelope import Envelope
 from ..comm.protocol import (
     SERVER_STREAM,
@@ -56,7 +57,6 @@ from ..comm.protocol import (
     tensor_message,
     upload_bound,
 )
-from ..comm.transport import Handle
 from ..comm.waiting import SERVER_PATIENCE, Patience
 from ..context import RunContext
 from ..metrics import StepAggregator

@@ -32,6 +32,7 @@ import torch
 from ..backprop import Backprop
 from ..codecs import Message, make_codec
 from ..comm import wire
+from ..comm.channel import Handle
 from ..comm.envelope import Envelope
 from ..comm.protocol import (
     TAG_CONTROL,
@@ -47,7 +48,6 @@ from ..comm.protocol import (
     load_buffers_vector,
     tensor_message,
 )
-from ..comm.transport import Handle
 from ..comm.waiting import Patience
 from ..context import RunContext
 from ..feedback import NoFeedback

@@ -9,17 +9,18 @@ import traceback
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
+from ..comm.waiting import PeerFailure
 from ..metrics import say
 from ..startup import AgreementError
 from .signals import ignore_further_stops, stop_reason
 
-if TYPE_CHECKING:  # the interfaces only: importing the MPI transport starts MPI
-    from ..comm.transport import Transport
+if TYPE_CHECKING:  # the interfaces only
+    from ..comm.channel import Channel
     from .watchdog import Watchdog
 
 
 def end_on_failure(
-    err: BaseException, *, transport: Transport, watchdog: Watchdog, log_dir: str | None, doing: str
+    err: BaseException, *, transport: Channel, watchdog: Watchdog, log_dir: str | None, doing: str
 ) -> None:
     """Say how this rank's run ended with ``err`` and end the job with it (the caller re-raises).
 
@@ -49,8 +50,6 @@ def end_on_failure(
         _say_resume_hint(transport.rank, log_dir)
     elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
         traceback.print_exc(file=sys.stderr)
-    from ..comm.waiting import PeerFailure  # here: importing the MPI transport starts MPI
-
     # a dead peer's sentinel names it, not this rank
     _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
 
@@ -61,7 +60,7 @@ def _say_resume_hint(rank: int, log_dir: str | None) -> None:
         say(f"[psgrad] {hint}")
 
 
-def _end_job(transport: Transport, watchdog: Watchdog, claim: str | None, status: int) -> None:
+def _end_job(transport: Channel, watchdog: Watchdog, claim: str | None, status: int) -> None:
     """With other ranks: claim the abort (unless ``claim`` is None), then abort the job with
     ``status`` whatever the claim does (a claim that failed on a full disk once skipped the abort,
     and the other ranks waited for the watchdog)."""

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import msgpack
 
-from ..comm.transport import Handle, Transport
+from ..comm.channel import Handle
+from ..comm.transport import Transport
 from ..comm.waiting import WAITING
 from ..metrics import say
 from . import segments

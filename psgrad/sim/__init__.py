@@ -1,8 +1,7 @@
-"""``psgrad simulate``: a whole job as threads of one process. ``simulate`` runs the ranks,
-``local`` is the in-process transport they share, ``stacked`` computes the workers' forwards and
-backwards as one grouped model, and ``deferred_mpi`` keeps mpi4py from starting MPI in a process
-that needs none. The engines know none of this: a rank's transport hands its ``Backprop`` the
-shared pass it takes part in (``Transport.shared_pass``).
+"""``psgrad simulate``: a whole job as threads of one process. ``simulate`` runs the ranks;
+``world`` is the world they share and ``local`` each rank's in-process transport (a
+``comm.channel.Channel``, as the MPI transport is); ``stacked`` computes the workers' forwards and
+backwards as one grouped model (``stacked_layers``). A simulation starts no MPI: the MPI transport
+starts it only when one is made. The engines know none of this: a rank's transport hands its
+``Backprop`` the shared pass it takes part in (``Channel.shared_pass``).
 """
-
-from . import deferred_mpi  # noqa: F401 -- first, before anything of the simulation imports mpi4py's MPI

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..comm.transport import Handle, Transport
+from ..comm.channel import Channel, Handle
 from ..comm.waiting import Idle, Patience, PeerFailure, SharedPass
 from .world import BLOCK, IDLE_BLOCK, Collective, LocalWorld
 
@@ -150,8 +150,8 @@ class Meeting:
         return self.result
 
 
-class LocalTransport(Transport):
-    """Rank ``rank`` of ``world``, with the interface of the MPI ``Transport``."""
+class LocalTransport(Channel):
+    """Rank ``rank`` of ``world``: a ``Channel``, as the MPI transport is."""
 
     separate_processes = False
 

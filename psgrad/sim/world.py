@@ -17,7 +17,7 @@ from ..comm.waiting import Idle, PeerFailure
 from ..metrics import say
 
 if TYPE_CHECKING:  # the interface only: importing the MPI transport loads MPI
-    from ..comm.transport import Handle
+    from ..comm.channel import Handle
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
 
