@@ -45,36 +45,24 @@ def torus_around(rank: int, size: int, cfg) -> list[int]:
     return torus_neighbours(rank, rows, cols)
 
 
-def _gossip_rules(name: str) -> tuple[dict[str, str], dict[str, str]]:
+def _gossip(name: str, **shape) -> Topology:
+    """A CHOCO-SGD topology called ``name``, shaped by ``shape`` (its check and neighbours)."""
     refuses, ignores = without_servers(name)
     # CHOCO-SGD's public copies already carry what the codec dropped into later steps
     public_copies = (
         f"--topology {name} keeps public copies of the models (CHOCO-SGD), which already carry what the codec "
         "dropped into later steps: use --feedback none and no --down-codec (there is no down-link)"
     )
-    return {**refuses, "feedback": public_copies, "down_codec": public_copies}, ignores
+    return Topology(
+        name=name,
+        kind="gossip",
+        role="psgrad.engine.gossip:GossipRole",
+        busiest_link=busiest_link,
+        refuses={**refuses, "feedback": public_copies, "down_codec": public_copies},
+        ignores=ignores,
+        **shape,
+    )
 
 
-RING = Topology(
-    name="ring",
-    kind="gossip",
-    role="psgrad.engine.gossip:GossipRole",
-    busiest_link=busiest_link,
-    check=check_gossip,
-    refuses=_gossip_rules("ring")[0],
-    ignores=_gossip_rules("ring")[1],
-    neighbours=lambda rank, size, cfg: ring_neighbours(rank, size),
-)
-
-TORUS = Topology(
-    name="torus",
-    kind="gossip",
-    role="psgrad.engine.gossip:GossipRole",
-    busiest_link=busiest_link,
-    check=check_torus,
-    refuses=_gossip_rules("torus")[0],
-    ignores=_gossip_rules("torus")[1],
-    takes_grid=True,
-    grid_places=torus_places,
-    neighbours=torus_around,
-)
+RING = _gossip("ring", check=check_gossip, neighbours=lambda rank, size, cfg: ring_neighbours(rank, size))
+TORUS = _gossip("torus", check=check_torus, takes_grid=True, grid_places=torus_places, neighbours=torus_around)
