@@ -112,7 +112,7 @@ class RunContext:
 
         1. Threads, rank layout, and the model, from the same seed on every rank.
         2. The layer plan, sharded over the serving ranks by coded bytes.
-        3. This rank's data (``_data``: the job stops here when a dataset cannot serve it).
+        3. This rank's data (``shards.rank_data``: the job stops here when a dataset cannot serve it).
         4. The device, and the steps: per epoch agreed over ranks, in all from --steps or --epochs.
         5. The resumed state, and the step the run starts at.
         """
