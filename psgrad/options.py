@@ -34,7 +34,7 @@ class LiveChoice(click.Choice):
         """click sets its copy here; the registry's view stays the source."""
 
 
-def _click_type(name: str, f: dataclasses.Field, meta: Setting) -> click.ParamType | type | None:
+def _click_type(f: dataclasses.Field, meta: Setting) -> click.ParamType | type | None:
     """The click type of a declared setting: its choices, range or path; None for a bool flag."""
     kind = str(f.type)
     if kind == "bool":
@@ -80,7 +80,7 @@ def setting_option(name: str, f: dataclasses.Field, meta: Setting, *, default: o
     elif kind.startswith("tuple[int"):  # a comma-separated list
         kwargs.update(default=",".join(map(str, default)), callback=_integers)
     else:
-        kwargs["type"] = _click_type(name, f, meta)
+        kwargs["type"] = _click_type(f, meta)
         if kind.startswith("int") and meta.choices is not None:  # offered as words, held as numbers
             kwargs.update(default=None if default is None else str(default), callback=_as_int)
     return click.option(flag, name, **kwargs)

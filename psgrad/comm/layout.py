@@ -32,10 +32,10 @@ class Topology:
     ``refuses`` maps a setting (RunConfig field) this topology cannot run away from its default
     to why, and ``check(cfg)`` raises ValueError for any other setting it cannot run (both hold
     whatever set the value); ``ignores`` maps a run option that means nothing here to why (refused
-    when the command line sets it); ``busiest_link(m, servers,
-    workers)`` turns a bench row's per-step byte counts into bytes on its busiest link;
-    ``grid_places(cfg)`` is the number of ranks the topology's shape fixes (None: any);
-    ``neighbours(rank, size, cfg)`` are a gossip rank's neighbours.
+    when the command line sets it); ``busiest_link(m, servers, workers)`` turns a bench row's
+    per-step byte counts into bytes on its busiest link; ``takes_grid`` says whether ``--grid``
+    shapes it, ``grid_places(cfg)`` the number of ranks its shape fixes (None: any), and
+    ``neighbours(rank, size, cfg)`` a gossip rank's neighbours.
     """
 
     name: str
