@@ -31,7 +31,7 @@ from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm import wire
 from .comm.channel import Channel
-from .comm.layout import RankLayout
+from .comm.layout import RankLayout, Topology
 from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .config import RunConfig
 from .evaluation import Evaluations
@@ -75,6 +75,7 @@ class RunContext:
 
     cfg: RunConfig
     transport: Channel
+    topology: Topology
     layout: RankLayout
     model: nn.Module
     layers: list
@@ -117,7 +118,8 @@ class RunContext:
         5. The resumed state, and the step the run starts at.
         """
         torch.set_num_threads(cfg.threads)
-        layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
+        topology = topology_of(cfg.topology)
+        layout = topology.rank_layout(world=transport.size, servers=cfg.servers)
         model = _initial_model(cfg, model_fn)
         layers = _layer_plan(cfg, model=model, layout=layout, transport=transport)
         label = cfg.dataset_label if loader_fn is None else "custom data"
@@ -133,6 +135,7 @@ class RunContext:
         ctx = cls(
             cfg=cfg,
             transport=transport,
+            topology=topology,
             layout=layout,
             model=model,
             layers=layers,

@@ -138,7 +138,7 @@ def _run(
         loss_fn=loss_fn,
         optimizer_fn=optimizer_fn,
     )
-    role = where["role"] = topology_of(cfg.topology).make_role(ctx)
+    role = where["role"] = ctx.topology.make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)
         ctx.transport.barrier()  # every rank's state fits before rank 0 touches the log dir

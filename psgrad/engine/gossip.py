@@ -48,7 +48,6 @@ from ..comm.protocol import (
 )
 from ..context import Role, RunContext
 from ..optim import learning_rate
-from ..roles import topology_of
 from .clock import StepClock
 from .peers import PeerRows, load_replica_state, replica_state
 
@@ -60,7 +59,7 @@ class GossipRole(Role):
         super().__init__(ctx)
         self.cfg, self.model, self.layers = ctx.cfg, ctx.model, ctx.layers
         self.world, self.rank, self.size = ctx.transport, ctx.rank, ctx.transport.size
-        self.neighbours = topology_of(self.cfg.topology).neighbours(self.rank, self.size, self.cfg)
+        self.neighbours = ctx.topology.neighbours(self.rank, self.size, self.cfg)
         # uniform over the neighbourhood and self; every degree is the same on a ring or a torus,
         # so these are the Metropolis-Hastings weights too (and the mixing matrix is symmetric)
         self.weight = 1.0 / (len(self.neighbours) + 1)
