@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from psgrad.comm.transport import Transport, finalize, mpi_library
+from psgrad.comm.transport import Transport, finalize, mpi_library, start_mpi
 from psgrad.config import RunConfig
 from psgrad.data import ShardLoader, load_dataset
 from psgrad.roles import topology_of
@@ -49,7 +49,8 @@ class FaultyLoader:
         return self.inner.batch(step)
 
 
-print(f"library {mpi_library()}", flush=True)  # MPI started
+start_mpi()  # MPI starts with the first transport: here, before listing the files it maps
+print(f"library {mpi_library()}", flush=True)
 for path in segments.job_segments():
     print(f"segment {path}", flush=True)
 if how == "exit":
