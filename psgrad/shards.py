@@ -59,6 +59,20 @@ def read_agreed(cfg: RunConfig, transport: Channel, read: Callable[[], T]) -> T 
     return result
 
 
+def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
+    """Worker ``worker``'s batches of ``cfg``'s training set, split over ``workers`` as the run says."""
+    return ShardLoader(
+        load_split(cfg, "train"),
+        dataset=cfg.dataset,
+        worker=worker,
+        workers=workers,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        partition=cfg.partition,
+        augment=cfg.augment,
+    )
+
+
 def rank_data(
     cfg: RunConfig, *, transport: Channel, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> tuple[object | None, ImageSet | None]:
@@ -76,17 +90,7 @@ def rank_data(
                 loader = loader_fn(index, workers)
                 loader = loader if hasattr(loader, "batch") else IterLoader(loader)
             else:
-                train = load_split(cfg, "train")
-                loader = ShardLoader(
-                    train,
-                    dataset=cfg.dataset,
-                    worker=index,
-                    workers=workers,
-                    batch_size=cfg.batch_size,
-                    seed=cfg.seed,
-                    partition=cfg.partition,
-                    augment=cfg.augment,
-                )
+                loader = shard_loader(cfg, worker=index, workers=workers)
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
 
     return read_agreed(cfg, transport, read)

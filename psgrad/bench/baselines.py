@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import RunConfig
-from ..data import ImageSet, ShardLoader, eval_batches
+from ..data import ImageSet, eval_batches
 from ..models import build_model
 from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
@@ -41,22 +41,11 @@ BASELINES = ("compute", "ddp", "ddp-powersgd")
 
 
 def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
-    from ..shards import load_split  # as every such import here: mpi4py's MPI only inside the job
+    from ..shards import shard_loader
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
-    data = load_split(cfg, "train")
-    loader = ShardLoader(
-        data,
-        dataset=cfg.dataset,
-        worker=worker,
-        workers=workers,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-        partition=cfg.partition,
-        augment=cfg.augment,
-    )
-    return model, loader
+    return model, shard_loader(cfg, worker=worker, workers=workers)
 
 
 def _free_port(host: str) -> int:
