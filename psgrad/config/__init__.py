@@ -1,0 +1,214 @@
+"""One validated dataclass of run settings; the CLI and the Python API both build it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .. import checkpoint
+from ..choices import option_flag, wrn_depth_problem
+from ..roles import topology_of
+from ..settings import settings_of, value_problem
+from .coding import CodecSettings
+from .model_data import ModelDataSettings
+from .output import OutputSettings, SystemSettings
+from .placement import TopologySettings
+from .training import TrainingSettings
+
+
+def folder_problem(folder: Path, noun: str = "folder") -> str | None:
+    """Why files cannot be written into ``folder`` once it is made (with its parents, if it is not
+    there): "is a file, not a <noun>", "cannot be made: <why>" or "is not writable"; or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"is a file, not a {noun}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot be made: {err.strerror or err}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
+def _need(ok: bool, text: str) -> None:
+    if not ok:
+        raise ValueError(text)
+
+
+@dataclass
+# dataclass collects fields from the last base to the first: the sections keep --help's order
+@dataclass
+class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettings, CodecSettings, ModelDataSettings):
+    """Everything a run needs, each setting declared once (``psgrad.settings``): its flag, help,
+    --help section, allowed values and when it means nothing come from its field here.
+    ``validate()`` raises ValueError naming the bad setting."""
+
+    def validate(self) -> RunConfig:
+        """Raise ValueError naming the first bad setting; return self when there is none.
+
+        1. Every setting against its own declaration: its choices or its range.
+        2. The codec specs parse, and the rules that link the codecs to other settings.
+        3. The topology's own rules (``Topology.refuses`` and ``check``).
+        4. The rules that link two other settings.
+        """
+        for name, (_, meta) in settings_of(type(self)).items():
+            if (problem := value_problem(name, meta, getattr(self, name))) is not None:
+                raise ValueError(problem)
+        self._check_codecs()
+        topology = topology_of(self.topology)
+        _need(
+            not self.grid or topology.takes_grid,
+            f"--grid {self.grid} shapes a torus: it means nothing to --topology {self.topology} (use --topology torus)",
+        )
+        for name, why in topology.refuses.items():  # what this topology cannot run, away from the default
+            _need(getattr(self, name) == getattr(_DEFAULTS, name), why)
+        topology.check(self)
+        _need(
+            self.batch_size >= self.accumulate,
+            f"--accumulate {self.accumulate} splits each batch into micro-batches: --batch-size {self.batch_size} is smaller",
+        )
+        _need(
+            self.amp != "fp16" or self.on_nonfinite == "skip",
+            "--amp fp16 scales the loss and lowers the scale when a gradient overflows; the overflowing step "
+            "must be skipped, not end the run: add --on-nonfinite skip",
+        )
+        if self.model == "wrn":
+            _need(wrn_depth_problem(self.depth) is None, f"--depth: {wrn_depth_problem(self.depth)}")
+        _need(not self.tensorboard or self.log_dir is not None, "--tensorboard writes into --log-dir: give one")
+        nesterovs = "dgc_momentum" if self.feedback == "dgc" else "momentum"  # DGC's correction takes the flag
+        _need(
+            not self.nesterov or getattr(self, nesterovs) > 0,
+            f"--nesterov is a kind of momentum: it needs {option_flag(nesterovs)} > 0",
+        )
+        _need(self.synthetic_samples >= self.batch_size, "--synthetic-size must be at least --batch-size")
+        _need(
+            not (self.feedback == "dgc" and self.momentum > 0 and self.optimizer == "sgd"),
+            "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD",
+        )
+        return self
+
+    def _check_codecs(self) -> None:
+        """The codec specs parse; the rules that link the codecs to feedback, mode and granularity."""
+        from ..codecs import make_codec  # torch: not needed to build the command line
+
+        for spec_field in ("codec", "down_codec"):
+            try:
+                make_codec(getattr(self, spec_field))
+            except ValueError as err:
+                raise ValueError(f"{option_flag(spec_field)}: {err}") from None
+        up, down = make_codec(self.codec), make_codec(self.down_codec)
+        _need(
+            self.feedback == "none" or up.feedback_safe,
+            f"--feedback {self.feedback} around {self.codec} diverges: the codec rescales the few values it keeps, "
+            "so the residual memory grows every step (use topk, threshold, sign or svd with feedback)",
+        )
+        _need(
+            down.feedback_safe,
+            f"--down-codec {self.down_codec} diverges: the down-link keeps what the codec did not send for later "
+            "steps (error feedback), which grows without bound for a codec that rescales the values it keeps",
+        )
+        if up.multi_round:
+            _need(
+                self.feedback == "none",
+                f"{up.name} keeps its own error feedback ({up.name}:ef=0 turns it off): use --feedback none",
+            )
+            _need(
+                self.mode == "sync",
+                f"{up.name} sums every worker's factors before anyone goes on: it needs --mode sync",
+            )
+            _need(
+                self.granularity == "layer",
+                f"{up.name} factors each layer's matrix: it needs --granularity layer (model granularity is one vector)",
+            )
+        _need(
+            not down.multi_round,
+            f"--down-codec {self.down_codec}: a multi-round codec's reply is its own down-link; use it as --codec",
+        )
+
+    @property
+    def sgd_nesterov(self) -> bool:
+        """Whether the SGD that applies updates (the server's, or every rank's) uses Nesterov
+        momentum: ``--nesterov``, unless ``--feedback dgc`` takes it for its momentum correction on
+        the workers (DGC runs the server's SGD without momentum)."""
+        return self.nesterov and self.feedback != "dgc"
+
+    @property
+    def synthetic_samples(self) -> int:
+        """Training samples of a generated dataset: ``synthetic_size``, else 2048 (8192 for proxy,
+        which needs more samples than its network can memorise)."""
+        if self.synthetic_size is not None:
+            return self.synthetic_size
+        return 8192 if self.dataset == "proxy" else 2048
+
+    @property
+    def dataset_label(self) -> str:
+        """How reports name the data: generated sets say so."""
+        return {"synthetic": "synthetic", "proxy": "proxy (synthetic)"}.get(self.dataset, self.dataset)
+
+    @property
+    def num_classes(self) -> int:
+        return {"cifar10": 10, "cifar100": 100}.get(self.dataset, self.synthetic_classes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        data = json.loads(text)
+        data.pop("run", None)  # what the run was (world size, versions, host), not a setting
+        if data.get("extra") == {}:  # an empty field that config.json files of older versions hold
+            del data["extra"]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys: {unknown}")
+        for f in fields(cls):  # JSON has lists where the settings hold tuples
+            if isinstance(f.default, tuple) and isinstance(data.get(f.name), list):
+                data[f.name] = tuple(data[f.name])
+        return cls(**data).validate()
+
+    def save(self, directory: str | Path, run: dict | None = None) -> Path:
+        """``config.json``: every setting, plus ``run`` (what the run was: world size, versions,
+        host, start time), which ``from_json`` ignores."""
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.loads(self.to_json())
+        if run:
+            data["run"] = run
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return path
+
+    def log_dir_problem(self) -> str | None:
+        """Why this run may not write into its log dir, or None.
+
+        1. The directory is made (with its parents) if it is not there: a path that cannot be one
+           (a file on the way, no permission, a read-only file system) is said now, before any
+           rank builds a model, not as a traceback once training would start.
+        2. It must be writable.
+        3. A run is there already, and neither --resume nor --overwrite was given."""
+        if not self.log_dir:
+            return None
+        problem = folder_problem(Path(self.log_dir), "directory")
+        if problem is not None:
+            return f"--log-dir {self.log_dir} {problem}"
+        if self.resume or self.overwrite:
+            return None
+        there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
+        if not there:
+            return None
+        try:
+            checkpoint.resolve(self.log_dir)
+        except checkpoint.CheckpointError:  # nothing to resume: do not suggest it
+            return (
+                f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}) and no complete checkpoint to "
+                "resume from: replace it with --overwrite, or choose another directory"
+            )
+        return (
+            f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}): continue it with --resume "
+            f"{self.log_dir}, replace it with --overwrite, or choose another directory"
+        )
+
+
+_DEFAULTS = RunConfig()

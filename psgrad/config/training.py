@@ -1,0 +1,137 @@
+"""The optimizer and training settings of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..settings import (
+    TRAINING,
+    UnusedRule,
+    setting,
+    unless,
+)
+
+
+def _multistep_only(flag: str) -> UnusedRule:
+    return unless(
+        lambda cfg: cfg.schedule == "multistep",
+        flag + " shapes --schedule multistep: it means nothing to --schedule {cfg.schedule}",
+    )
+
+
+@dataclass
+class TrainingSettings:
+    """The optimizer, its schedule, the batch and the length of the run."""
+
+    optimizer: str = setting(
+        "sgd",
+        section=TRAINING,
+        choices=("sgd", "adam"),
+        help="Server-side optimizer.",
+    )
+    lr: float = setting(
+        0.1,
+        section=TRAINING,
+        low=0,
+        low_open=True,
+        help="Learning rate.",
+    )
+    momentum: float = setting(
+        0.9,
+        section=TRAINING,
+        low=0,
+        high=1,
+        high_open=True,
+        unused=(
+            unless(
+                lambda cfg: cfg.optimizer == "sgd",
+                "--momentum is SGD's: --optimizer {cfg.optimizer} keeps moments of its own",
+            ),
+        ),
+        help="SGD momentum (server side).",
+    )
+    nesterov: bool = setting(
+        False,
+        section=TRAINING,
+        unused=(
+            unless(
+                lambda cfg: cfg.optimizer == "sgd" or cfg.feedback == "dgc",
+                "--nesterov is SGD's (and DGC's): --optimizer {cfg.optimizer} keeps moments of its own",
+            ),
+        ),
+        help="Nesterov momentum: the server's SGD's, or with --feedback dgc, DGC's momentum correction on the workers (--dgc-momentum).",
+    )
+    weight_decay: float = setting(
+        0.0005,
+        section=TRAINING,
+        low=0,
+        help="L2 weight decay.",
+    )
+    schedule: str = setting(
+        "constant",
+        section=TRAINING,
+        choices=("constant", "multistep", "cosine"),
+        help="Learning-rate schedule.",
+    )
+    lr_milestones: tuple[int, ...] = setting(
+        (60, 120, 160),
+        section=TRAINING,
+        unused=(_multistep_only("--lr-milestones"),),
+        help="multistep: epochs at which the LR is multiplied by --lr-decay.",
+    )
+    lr_decay: float = setting(
+        0.2,
+        section=TRAINING,
+        low=0,
+        low_open=True,
+        unused=(_multistep_only("--lr-decay"),),
+        help="multistep: factor per milestone (WRN paper: 0.2).",
+    )
+    warmup_epochs: float = setting(
+        0.0,
+        section=TRAINING,
+        low=0,
+        help="Linear LR warm-up length in epochs.",
+    )
+    scale_lr: bool = setting(
+        False,
+        section=TRAINING,
+        help="Multiply the LR by the number of workers.",
+    )
+    batch_size: int = setting(
+        32,
+        section=TRAINING,
+        low=1,
+        help="Batch size per worker.",
+    )
+    steps: int | None = setting(
+        None,
+        section=TRAINING,
+        low=1,
+        help="Training steps (overrides --epochs).",
+    )
+    epochs: float = setting(
+        1.0,
+        section=TRAINING,
+        low=0,
+        low_open=True,
+        help="Training epochs (of each worker's shard).",
+    )
+    accumulate: int = setting(
+        1,
+        section=TRAINING,
+        low=1,
+        help="Split each worker's batch into K micro-batches: forward and backward on each (less memory), one summed gradient sent per step. Same effective batch and learning rate.",
+    )
+    clip_grad_norm: float = setting(
+        0.0,
+        section=TRAINING,
+        low=0,
+        help="Clip each worker's gradient to this L2 norm (over all its layers) before coding; 0: off. Needs the whole gradient, so layers are coded after backward, as with --push after.",
+    )
+    amp: str = setting(
+        "off",
+        section=TRAINING,
+        choices=("off", "bf16", "fp16"),
+        help="Mixed precision for forward and backward (torch.autocast, CPU or CUDA); fp16 also scales the loss dynamically (as GradScaler) and needs --on-nonfinite skip. Gradients are coded in fp32.",
+    )
