@@ -41,7 +41,6 @@ from ..comm.protocol import (
     StepStats,
     buffers_vector,
     control_message,
-    copy_flat_into,
     encode_gradient,
     layer_rounds,
     layer_tag,
@@ -53,6 +52,7 @@ from ..context import RunContext
 from ..feedback import NoFeedback
 from ..optim import learning_rate
 from .clock import StepClock
+from .replies import apply_values, reply_bounds
 from .server import BUFFERS_LAYER, ServerBase
 
 
@@ -72,16 +72,9 @@ class Worker:
             self.cfg, model=self.model, loss_fn=ctx.loss_fn, device=self.device, shared_pass=ctx.transport.shared_pass()
         )
         self.layer_of = {name: layer for layer in self.layers for name in layer.params}
-        self.down_codec = make_codec(self.cfg.down_codec)
-        self.exact_codec = make_codec("none")
-        # the first message of a layer is its exact value, later ones may be the down-codec's deltas
-        self.bounds = [
-            max(
-                wire.max_message_bytes(spec, layer.shape, layer.name)
-                for spec in ({self.cfg.down_codec, "none"} if layer.compress else {"none"})
-            )
-            for layer in self.layers
-        ]
+        down = make_codec(self.cfg.down_codec)
+        self.reply_codecs = {"none": make_codec("none"), down.name: down}
+        self.bounds = reply_bounds(self.layers, down_codec=self.cfg.down_codec)
         self.buffers = [bytearray(b) for b in self.bounds]
         # multi-round layers (PowerSGD): the round whose reply each open layer awaits, and the
         # optimizer that applies their last reply here, as the server does to its copy
@@ -226,23 +219,11 @@ class Worker:
 
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
         if msg.kind == "code":
-            self._apply_code(layer, msg, start)
-            return
+            return self._apply_code(layer, msg, start)
         self._check_reply(layer, msg, ("params", "delta"))
-        if msg.codec not in (self.down_codec.name, "none"):
-            raise RuntimeError(f"{layer.name!r} arrived encoded with {msg.codec!r}, expected {self.down_codec.name!r}")
-        codec = self.down_codec if msg.codec == self.down_codec.name else self.exact_codec
-        if msg.kind == "delta" and len(layer.params) == 1:
-            # the common case: decode straight into the parameter, no dense temporary
-            with torch.no_grad():
-                codec.decode_add(msg, self.params[layer.params[0]])
-            self.stats.decode += time.perf_counter() - start
-            return
-        values = codec.decode(msg, device=self.device).view(-1)
-        mid = time.perf_counter()
-        copy_flat_into(self.params, layer.params, values, add=msg.kind == "delta")
-        self.stats.decode += mid - start
-        self.stats.apply += time.perf_counter() - mid
+        apply_values(
+            msg, layer=layer, params=self.params, codecs=self.reply_codecs, device=self.device, stats=self.stats
+        )
 
     def _apply_code(self, layer: Layer, msg: Message, start: float) -> None:
         """The last round's reply: the gradient every rank applies, with the same optimizer."""
