@@ -221,3 +221,48 @@ def load_rank_state(directory: Path, rank: int, ranks: int) -> dict:
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"{path}: not a psgrad checkpoint (no step)")
     return state
+
+
+def folder_problem(folder: Path, noun: str = "folder") -> str | None:
+    """Why files cannot be written into ``folder`` once it is made (with its parents, if it is not
+    there): "is a file, not a <noun>", "cannot be made: <why>" or "is not writable"; or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"is a file, not a {noun}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot be made: {err.strerror or err}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
+def log_dir_problem(log_dir: str | None, *, resume: str | None, overwrite: bool) -> str | None:
+    """Why a run may not write into ``log_dir`` (``--log-dir``), or None.
+
+    1. The directory is made (with its parents) if it is not there: a path that cannot be one
+       (a file on the way, no permission, a read-only file system) is said now, before any
+       rank builds a model, not as a traceback once training would start.
+    2. It must be writable.
+    3. A run is there already, and neither --resume nor --overwrite was given."""
+    if not log_dir:
+        return None
+    problem = folder_problem(Path(log_dir), "directory")
+    if problem is not None:
+        return f"--log-dir {log_dir} {problem}"
+    if resume or overwrite:
+        return None
+    there = [name for name in ("config.json", "metrics.csv") if (Path(log_dir) / name).exists()]
+    if not there:
+        return None
+    try:
+        resolve(log_dir)
+    except CheckpointError:  # nothing to resume: do not suggest it
+        return (
+            f"--log-dir {log_dir} holds a run already ({', '.join(there)}) and no complete checkpoint to "
+            "resume from: replace it with --overwrite, or choose another directory"
+        )
+    return (
+        f"--log-dir {log_dir} holds a run already ({', '.join(there)}): continue it with --resume "
+        f"{log_dir}, replace it with --overwrite, or choose another directory"
+    )

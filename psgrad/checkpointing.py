@@ -47,14 +47,22 @@ class Checkpoints:
             say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
 
 
-def load_resume(resume: str | None, *, transport: Channel) -> dict | None:
-    """This rank's state in the checkpoint ``resume`` names (collective: every rank checks that
-    all the files are of one step), or None without ``--resume``."""
+def load_resume(resume: str | None, *, transport: Channel, total: int) -> tuple[dict | None, int]:
+    """This rank's state in the checkpoint ``resume`` names (None without ``--resume``) and the
+    step the run starts at (collective: every rank checks that all the files are of one step).
+    A checkpoint at or past ``total`` steps leaves nothing to train: CheckpointError says how to
+    go on."""
     if not resume:
-        return None
+        return None, 0
     directory = checkpoint.resolve(resume)
     state = checkpoint.load_rank_state(directory, transport.rank, transport.size)
-    steps = transport.allreduce_sum([int(state["step"]), 1])
-    if steps[0] != int(state["step"]) * steps[1]:
+    start = int(state["step"])
+    steps = transport.allreduce_sum([start, 1])
+    if steps[0] != start * steps[1]:
         raise checkpoint.CheckpointError(f"--resume {directory}: the ranks' checkpoint files are from different steps")
-    return state
+    if start >= total:
+        raise checkpoint.CheckpointError(
+            f"--resume {resume} is at step {start}, nothing left of {total} steps: to train on, give "
+            f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
+        )
+    return state, start

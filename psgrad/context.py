@@ -13,58 +13,36 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import math
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint
 from .accuracy import accuracy_note
 from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
-from .comm import wire
 from .comm.channel import Channel
 from .comm.layout import RankLayout, Topology
-from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
+from .comm.protocol import StepStats, buffers_vector, coded_cost, layer_tag, plan_layers
 from .config import RunConfig
+from .devices import rank_device
 from .evaluation import Evaluations
 from .feedback import NoFeedback, make_feedback
 from .metrics import MetricsLog
-from .models import build_model
+from .models import build_model, seeded_model
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
 from .roles import topology_of
 from .shards import rank_data
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 T = TypeVar("T")
-
-_GLOBAL_RNG = threading.Lock()
-"""Held while a model is built from torch's global generator: simulated ranks share a process,
-and one rank seeding while another draws its initial weights would give them different models."""
-
-
-def device_problem(cfg: RunConfig) -> str | None:
-    """Why a worker on this node cannot have ``cfg.device``, or None."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        return "--device cuda but torch sees no CUDA device on this node"
-    return None
-
-
-def _device(cfg: RunConfig, local_worker: int) -> torch.device:
-    """A worker's device: ``cuda:<its index among this node's workers>`` (modulo the GPUs seen)."""
-    problem = device_problem(cfg)
-    if problem is not None:
-        raise RuntimeError(problem)
-    if cfg.device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", local_worker % torch.cuda.device_count())
 
 
 @dataclass(frozen=True)
@@ -75,7 +53,6 @@ class RunContext:
 
     cfg: RunConfig
     transport: Channel
-    topology: Topology
     layout: RankLayout
     model: nn.Module
     layers: list
@@ -96,6 +73,10 @@ class RunContext:
     def rank(self) -> int:
         return self.transport.rank
 
+    @property
+    def topology(self) -> Topology:
+        return topology_of(self.cfg.topology)
+
     # ------------------------------------------------------------------ building
     @classmethod
     def build(
@@ -103,61 +84,51 @@ class RunContext:
         cfg: RunConfig,
         transport: Channel,
         *,
+        layout: RankLayout,
         model_fn: Callable[[], nn.Module] | None = None,
         loader_fn: Callable[[int, int], object] | None = None,
         eval_data: Iterable | None = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: LossFn = F.cross_entropy,
         optimizer_fn: OptimizerFn | None = None,
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it).
 
-        1. Threads, rank layout, and the model, from the same seed on every rank.
+        1. Threads, and the model, from the same seed on every rank.
         2. The layer plan, sharded over the serving ranks by coded bytes.
-        3. This rank's data (``shards.rank_data``: the job stops here when a dataset cannot serve it).
-        4. The device, and the steps: per epoch agreed over ranks, in all from --steps or --epochs.
-        5. The resumed state, and the step the run starts at.
+        3. This rank's data and the run's steps (``shards.rank_data``: the job stops there when a
+           dataset cannot serve it), and its device.
+        4. The resumed state, and the step the run starts at.
         """
         torch.set_num_threads(cfg.threads)
-        topology = topology_of(cfg.topology)
-        layout = topology.rank_layout(world=transport.size, servers=cfg.servers)
-        model = _initial_model(cfg, model_fn)
-        layers = _layer_plan(cfg, model=model, layout=layout, transport=transport)
-        label = cfg.dataset_label if loader_fn is None else "custom data"
-        loader, test_set = rank_data(
-            cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None
+        model = seeded_model(
+            model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
         )
-        device = _rank_device(cfg, transport=transport, layout=layout)
-        # every rank agrees on the steps per epoch: the mean of the workers' shards
-        spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
-        total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
-        resume, start = _resumed(cfg, transport=transport, total=total)
-        loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        layers = plan_layers(
+            [(name, tuple(p.shape)) for name, p in model.named_parameters()],
+            granularity=cfg.granularity,
+            owners=layout.server_ranks,
+            bucket_vectors=cfg.bucket_vectors,
+            cost=coded_cost(cfg.codec),
+        )
+        transport.check_tag(layer_tag(len(layers)))
+        data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
+        trains = layout.is_worker(transport.rank)
+        resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
         ctx = cls(
             cfg=cfg,
             transport=transport,
-            topology=topology,
             layout=layout,
             model=model,
             layers=layers,
             loss_fn=loss_fn,
-            label=label,
-            steps_per_epoch=spe,
-            total=total,
+            label=data.label,
+            steps_per_epoch=data.steps_per_epoch,
+            total=data.total,
             start=start,
-            device=device,
-            evaluations=Evaluations(
-                cfg,
-                model=model,
-                trains=layout.is_worker(transport.rank),
-                loss_fn=loss_fn,
-                label=label,
-                steps_per_epoch=spe,
-                total=total,
-                eval_data=eval_data,
-                test_set=test_set,
-            ),
-            checkpoints=Checkpoints(cfg.log_dir, transport=transport, every=cfg.checkpoint_every, total=total),
-            loader=loader,
+            device=rank_device(cfg.device, transport=transport, is_worker=trains),
+            evaluations=Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data),
+            checkpoints=Checkpoints(cfg.log_dir, transport=transport, every=cfg.checkpoint_every, total=data.total),
+            loader=data.loader,
             resume=resume,
             optimizer_fn=optimizer_fn,
             buffers_size=buffers_vector(model).numel(),
@@ -219,50 +190,6 @@ class RunContext:
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
 
 
-def _resumed(cfg: RunConfig, *, transport: Channel, total: int) -> tuple[dict | None, int]:
-    """The resumed state of this rank (None without --resume) and the step the run starts at."""
-    resume = load_resume(cfg.resume, transport=transport)
-    start = int(resume["step"]) if resume else 0
-    if start >= total:
-        raise checkpoint.CheckpointError(
-            f"--resume {cfg.resume} is at step {start}, nothing left of {total} steps: to train on, give "
-            f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
-        )
-    return resume, start
-
-
-def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout, transport: Channel) -> list:
-    """The layers, the units of communication, sharded over the serving ranks by coded bytes."""
-    named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    layers = plan_layers(
-        named,
-        granularity=cfg.granularity,
-        owners=layout.server_ranks,
-        bucket_vectors=cfg.bucket_vectors,
-        cost=_coded_bytes(cfg.codec),
-    )
-    transport.check_tag(layer_tag(len(layers)))
-    return layers
-
-
-def _rank_device(cfg: RunConfig, *, transport: Channel, layout: RankLayout) -> torch.device:
-    """A worker's device (``--device``), the CPU for a serving-only rank. Collective on every rank
-    (--device may differ per rank): a server counts in no GPU index."""
-    local_worker = transport.local_rank(group=int(layout.is_worker(transport.rank)))
-    return _device(cfg, local_worker) if layout.is_worker(transport.rank) else torch.device("cpu")
-
-
-def _initial_model(cfg: RunConfig, model_fn: Callable[[], nn.Module] | None) -> nn.Module:
-    """The run's model before training, the same on every rank (torch seeded with ``cfg.seed``)."""
-    with _GLOBAL_RNG:
-        torch.manual_seed(cfg.seed)
-        if model_fn is not None:
-            return model_fn()
-        return build_model(
-            cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout
-        )
-
-
 def _announce(ctx: RunContext, *, named_model: bool) -> None:
     """Rank 0's start-up lines: which rank plays which role in which process, and the run."""
     pids = ctx.transport.all_pids()
@@ -315,11 +242,6 @@ def _run_facts(transport: Channel) -> dict:
         "host": socket.gethostname(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
-
-
-def _coded_bytes(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
-    """A layer's cost for sharding: the bytes its gradient message may take on the wire."""
-    return lambda shape, compress: float(wire.max_message_bytes(codec_spec if compress else "none", shape))
 
 
 class Role:

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from .config import RunConfig
-from .data import ImageSet, eval_batches
+from .data import eval_batches
 from .models.layout import in_layout, memory_format
+from .shards import RankData
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -45,15 +46,12 @@ class Evaluations:
         model: nn.Module,
         trains: bool,
         loss_fn: LossFn,
-        label: str,
-        steps_per_epoch: int,
-        total: int,
+        data: RankData,
         eval_data: Iterable | None = None,
-        test_set: ImageSet | None = None,
     ) -> None:
-        self.cfg, self.own_model, self.trains, self.loss_fn, self.label = cfg, model, trains, loss_fn, label
-        self.steps_per_epoch, self.total = steps_per_epoch, total
-        self.eval_data, self.test_set = eval_data, test_set
+        self.cfg, self.own_model, self.trains, self.loss_fn, self.label = cfg, model, trains, loss_fn, data.label
+        self.steps_per_epoch, self.total = data.steps_per_epoch, data.total
+        self.eval_data, self.test_set = eval_data, data.test_set
         self._copy: nn.Module | None = None
         self._helper: ThreadPoolExecutor | None = None
         self._running: list[Future] = []

@@ -4,7 +4,9 @@ dataset that cannot serve the run stops the job once, before any training."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from .comm.layout import RankLayout
@@ -73,13 +75,29 @@ def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
     )
 
 
+@dataclass(frozen=True)
+class RankData:
+    """This rank's data for a run, and the run's length in steps, which every rank agrees on."""
+
+    loader: object | None  # a worker's batches: ``batch(step)`` and ``steps_per_epoch``
+    test_set: ImageSet | None  # rank 0's, unless the caller evaluates on data of its own
+    label: str  # how reports name the data
+    steps_per_epoch: int  # the mean of the workers' shards, the same on every rank
+    total: int  # from --steps, or --epochs of steps_per_epoch
+
+
 def rank_data(
     cfg: RunConfig, *, transport: Channel, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
-) -> tuple[object | None, ImageSet | None]:
-    """This rank's batches (a worker's loader) and test set (rank 0's, which evaluates, unless the
-    caller brought its own), made before the first step (``read_agreed``): a dataset that cannot be
-    read, or is too small for one batch a worker, stops the job here, not at the first evaluation
-    hours in."""
+) -> RankData:
+    """This rank's batches and test set, and the run's steps (collective).
+
+    1. A worker's loader (the caller's ``loader_fn``, else its shard of ``cfg.dataset``) and rank
+       0's test set, read on every rank before the first step (``read_agreed``): a dataset that
+       cannot be read, or is too small for one batch a worker, stops the job here, not at the
+       first evaluation hours in.
+    2. The steps per epoch: the mean of the workers' (one allreduce), so every rank agrees.
+    3. The run's steps: --steps, else --epochs of them (at least one).
+    """
     rank = transport.rank
 
     def read() -> tuple[object | None, ImageSet | None]:
@@ -93,4 +111,8 @@ def rank_data(
                 loader = shard_loader(cfg, worker=index, workers=workers)
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
 
-    return read_agreed(cfg, transport, read)
+    loader, test_set = read_agreed(cfg, transport, read)
+    spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
+    total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
+    label = cfg.dataset_label if loader_fn is None else "custom data"
+    return RankData(loader=loader, test_set=test_set, label=label, steps_per_epoch=spe, total=total)

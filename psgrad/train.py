@@ -18,18 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
-from .comm.layout import RankLayout
 from .comm.transport import Transport, on_job_end
 from .comm.waiting import PeerFailure
 from .config import RunConfig
-from .context import LossFn, RunContext, device_problem
-from .metrics import tensorboard_problem
+from .context import LossFn, RunContext
 from .optim import OptimizerFn
-from .roles import topology_of
 from .runtime import job_end_hooks
 from .runtime.failure import end_on_failure
 from .runtime.watchdog import Report, Watchdog
-from .startup import agree
+from .startup import prepare
 
 
 @dataclass
@@ -67,7 +64,6 @@ def run(
     schedule sets its lr every step). ``keep_all_rows`` keeps every metrics row in the result
     (``psgrad bench`` reads them all), not only the last few.
     """
-    cfg.validate()
     if model_fn is not None and eval_data is None:
         raise ValueError(
             "a custom model_fn needs eval_data (an iterable of (inputs, labels) batches of your test set): "
@@ -75,10 +71,7 @@ def run(
         )
     transport = transport or Transport()
     on_job_end(**job_end_hooks())  # MPI_Abort's leftovers removed, sentinels told after MPI_Finalize
-    layout = topology_of(cfg.topology).rank_layout(world=transport.size, servers=cfg.servers)
-    agree(transport, cfg, _rank_problem(cfg, transport.rank, layout))
-    if cfg.overwrite and cfg.log_dir and not cfg.resume and transport.rank == 0:
-        checkpoint.clear_run(cfg.log_dir)  # before any rank can write into it (the next collective)
+    layout = prepare(cfg, transport=transport)
     where: dict = {}
 
     def report() -> Report:
@@ -89,17 +82,17 @@ def run(
         transport, report=report, names=layout.role_name, timeout=cfg.timeout, claim_dir=cfg.log_dir
     ).start()
     try:
-        result = _run(
+        ctx = RunContext.build(
             cfg,
+            transport,
+            layout=layout,
             model_fn=model_fn,
             loader_fn=loader_fn,
             eval_data=eval_data,
             loss_fn=loss_fn,
             optimizer_fn=optimizer_fn,
-            transport=transport,
-            where=where,
-            keep_all_rows=keep_all_rows,
         )
+        result = _loop(ctx, where=where, keep_all_rows=keep_all_rows)
     except BaseException as err:
         end_on_failure(err, transport=transport, watchdog=watchdog, log_dir=cfg.log_dir, doing=report().doing)
         raise
@@ -107,37 +100,9 @@ def run(
     return result
 
 
-def _rank_problem(cfg: RunConfig, rank: int, layout: RankLayout) -> str | None:
-    """What stops this rank before anything is built: rank 0's log dir and TensorBoard writer, a
-    worker's device."""
-    if rank == 0:
-        problem = cfg.log_dir_problem() or (tensorboard_problem() if cfg.tensorboard else None)
-        if problem is not None:
-            return problem
-    return device_problem(cfg) if layout.is_worker(rank) else None
-
-
-def _run(
-    cfg,
-    *,
-    model_fn,
-    loader_fn,
-    eval_data,
-    loss_fn,
-    optimizer_fn,
-    transport: Transport,
-    where: dict,
-    keep_all_rows: bool,
-) -> RunResult:
-    ctx = RunContext.build(
-        cfg,
-        transport,
-        model_fn=model_fn,
-        loader_fn=loader_fn,
-        eval_data=eval_data,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer_fn,
-    )
+def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool) -> RunResult:
+    """This rank's role, from its first step to its result (``where`` tells the watchdog what it
+    is doing)."""
     role = where["role"] = ctx.topology.make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)
@@ -169,7 +134,7 @@ def _run(
         result.rows, result.evals = list(log.rows), log.evals
         log.close()
         _summary(result, ctx.label, ctx.total - ctx.start)
-        if not cfg.log_dir:
+        if not ctx.cfg.log_dir:
             print("[psgrad] the trained model was not saved: --log-dir DIR keeps it (DIR/model.pt)", file=sys.stderr)
     return result
 

@@ -55,14 +55,14 @@ def test_the_hint_after_an_interrupt_names_the_way_on(tmp_path):
 
 
 def test_a_log_dir_holding_a_run_suggests_resume_only_with_a_checkpoint(tmp_path):
-    from psgrad.config import RunConfig
+    from psgrad.checkpoint import log_dir_problem
 
     (tmp_path / "config.json").write_text("{}")
-    problem = RunConfig(log_dir=str(tmp_path)).log_dir_problem()
+    problem = log_dir_problem(str(tmp_path), resume=None, overwrite=False)
     assert "no complete checkpoint to resume from: replace it with --overwrite" in problem, problem
     assert "--resume" not in problem, problem
     _write(tmp_path, 4)
-    problem = RunConfig(log_dir=str(tmp_path)).log_dir_problem()
+    problem = log_dir_problem(str(tmp_path), resume=None, overwrite=False)
     assert f"continue it with --resume {tmp_path}, replace it with --overwrite" in problem, problem
 
 

@@ -74,6 +74,7 @@ FLOORS = [
             "psgrad.sim.stacked_layers",
             "psgrad.runtime.segments",
             "psgrad.runtime.chain",
+            "psgrad.devices",
         ],
     ),
     (1, ["psgrad.feedback", "psgrad.comm.wire", "psgrad.comm.envelope", "psgrad.roles"]),

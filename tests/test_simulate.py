@@ -633,17 +633,24 @@ def test_more_cores_than_the_process_may_use_are_run_with_a_note(monkeypatch):
 def test_a_log_dir_that_cannot_be_written_is_a_usage_error_said_once(tmp_path, monkeypatch):
     """A --log-dir under a file, one not writable, or one holding a run already: one line, exit 2,
     before any rank builds a model (it was a traceback from rank 0 once the run had started)."""
+    from psgrad.checkpoint import log_dir_problem
+
     (tmp_path / "a-file").write_text("")
     options = ["simulate", "--workers", "2", "--model", "convnet", "--steps", "1", "--no-progress", "--log-dir"]
     done = CliRunner().invoke(main, [*options, str(tmp_path / "a-file" / "run")])
     assert done.exit_code == 2, done.output
     assert "usage error: --log-dir" in done.stderr and "cannot be made: Not a directory" in done.stderr
     assert "Traceback" not in done.stderr and "simulated in one process" not in done.stderr
-    assert RunConfig(log_dir=str(tmp_path / "a-file")).log_dir_problem().endswith("is a file, not a directory")
-    assert RunConfig(log_dir=str(tmp_path / "new" / "run")).log_dir_problem() is None
+    assert log_dir_problem(str(tmp_path / "a-file"), resume=None, overwrite=False).endswith(
+        "is a file, not a directory"
+    )
+    assert log_dir_problem(str(tmp_path / "new" / "run"), resume=None, overwrite=False) is None
     assert (tmp_path / "new" / "run").is_dir()  # made before the ranks start, parents too
     monkeypatch.setattr("os.access", lambda path, mode: False)  # root may write anywhere
-    assert RunConfig(log_dir=str(tmp_path / "new")).log_dir_problem() == f"--log-dir {tmp_path / 'new'} is not writable"
+    assert (
+        log_dir_problem(str(tmp_path / "new"), resume=None, overwrite=False)
+        == f"--log-dir {tmp_path / 'new'} is not writable"
+    )
     monkeypatch.undo()
     (tmp_path / "new" / "run" / "metrics.csv").write_text("step\n")
     done = CliRunner().invoke(main, [*options, str(tmp_path / "new" / "run")])

@@ -44,7 +44,7 @@ def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
     from ..shards import shard_loader
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor, dropout=cfg.dropout)
+    model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
     return model, shard_loader(cfg, worker=worker, workers=workers)
 
 

@@ -56,7 +56,7 @@ def alone(cfg: RunConfig, total_batch: int, steps: int, threads: int) -> tuple[f
     torch.set_num_threads(threads)
     keep_freed_memory()
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.num_classes, depth=cfg.depth, widen_factor=cfg.widen_factor)
+    model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
     from ..shards import load_split  # here, not above: ..simulate first keeps MPI from starting at import
 
     data = load_split(cfg, "train")

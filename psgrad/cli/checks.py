@@ -14,7 +14,7 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     unable to write its result. '-' (standard output) passes."""
     if value is None or value == "-":
         return value
-    from ..config import folder_problem
+    from ..checkpoint import folder_problem
 
     folder = Path(value).parent
     problem = folder_problem(folder)

@@ -108,6 +108,12 @@ def plan_layers(
     ]
 
 
+def coded_cost(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
+    """A layer's ``cost`` for ``plan_layers``: the bytes its gradient message may take on the wire
+    (uncompressed layers, the vector bucket, are dense)."""
+    return lambda shape, compress: float(wire.max_message_bytes(codec_spec if compress else "none", shape))
+
+
 def copy_flat_into(params: dict[str, torch.Tensor], names: tuple[str, ...], flat: torch.Tensor, add: bool = False):
     """Write (or with ``add``, add) consecutive slices of ``flat`` into the named parameters, in one
     foreach call (a model's 25 parameters one by one took twice as long, in torch's dispatch)."""

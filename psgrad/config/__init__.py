@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .. import checkpoint
 from ..choices import option_flag, wrn_depth_problem
 from ..roles import topology_of
 from ..settings import settings_of, value_problem
@@ -16,20 +14,6 @@ from .model_data import ModelDataSettings
 from .output import OutputSettings, SystemSettings
 from .placement import TopologySettings
 from .training import TrainingSettings
-
-
-def folder_problem(folder: Path, noun: str = "folder") -> str | None:
-    """Why files cannot be written into ``folder`` once it is made (with its parents, if it is not
-    there): "is a file, not a <noun>", "cannot be made: <why>" or "is not writable"; or None."""
-    if folder.exists() and not folder.is_dir():
-        return f"is a file, not a {noun}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return f"cannot be made: {err.strerror or err}"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return "is not writable"
-    return None
 
 
 def _need(ok: bool, text: str) -> None:
@@ -148,6 +132,11 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         return {"synthetic": "synthetic", "proxy": "proxy (synthetic)"}.get(self.dataset, self.dataset)
 
     @property
+    def model_options(self) -> dict:
+        """The options ``models.build_model`` takes for ``model`` (a WideResNet's shape)."""
+        return {"depth": self.depth, "widen_factor": self.widen_factor, "dropout": self.dropout}
+
+    @property
     def num_classes(self) -> int:
         return {"cifar10": 10, "cifar100": 100}.get(self.dataset, self.synthetic_classes)
 
@@ -179,36 +168,6 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
             data["run"] = run
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         return path
-
-    def log_dir_problem(self) -> str | None:
-        """Why this run may not write into its log dir, or None.
-
-        1. The directory is made (with its parents) if it is not there: a path that cannot be one
-           (a file on the way, no permission, a read-only file system) is said now, before any
-           rank builds a model, not as a traceback once training would start.
-        2. It must be writable.
-        3. A run is there already, and neither --resume nor --overwrite was given."""
-        if not self.log_dir:
-            return None
-        problem = folder_problem(Path(self.log_dir), "directory")
-        if problem is not None:
-            return f"--log-dir {self.log_dir} {problem}"
-        if self.resume or self.overwrite:
-            return None
-        there = [name for name in ("config.json", "metrics.csv") if (Path(self.log_dir) / name).exists()]
-        if not there:
-            return None
-        try:
-            checkpoint.resolve(self.log_dir)
-        except checkpoint.CheckpointError:  # nothing to resume: do not suggest it
-            return (
-                f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}) and no complete checkpoint to "
-                "resume from: replace it with --overwrite, or choose another directory"
-            )
-        return (
-            f"--log-dir {self.log_dir} holds a run already ({', '.join(there)}): continue it with --resume "
-            f"{self.log_dir}, replace it with --overwrite, or choose another directory"
-        )
 
 
 _DEFAULTS = RunConfig()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from ..choices import MODEL_NAMES
@@ -34,3 +36,17 @@ def build_model(name: str, num_classes: int, **options) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     return MODELS[name](num_classes, **options)
+
+
+_GLOBAL_RNG = threading.Lock()
+"""Held while a model is built from torch's global generator: ranks simulated in one process
+share it, and one rank seeding while another draws its initial weights would give them different
+models."""
+
+
+def seeded_model(build: Callable[[], nn.Module], *, seed: int) -> nn.Module:
+    """``build()`` with torch's global generator seeded with ``seed``: the same initial model on
+    every rank."""
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        return build()
