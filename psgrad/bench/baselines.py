@@ -149,6 +149,23 @@ def _wrapped(kind: str, model, *, numel: int, workers: int, powersgd_rank: int) 
     return ddp, step_bytes
 
 
+def _sgd(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.SGD:
+    """The run's SGD, as psgrad's servers apply it."""
+    return torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.sgd_nesterov, weight_decay=cfg.weight_decay
+    )
+
+
+def _init_gloo(transport) -> None:
+    """torch.distributed on gloo over the MPI job's ranks: rank 0 picks a free port on
+    ``PSGRAD_RANK0_ADDR`` (default loopback) and broadcasts it."""
+    import torch.distributed as dist
+
+    host = os.environ.get("PSGRAD_RANK0_ADDR", "127.0.0.1")
+    port = int(transport.broadcast_bytes(str(_free_port(host)).encode() if transport.rank == 0 else None).decode())
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=transport.rank, world_size=transport.size)
+
+
 def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> tuple[list[dict], list[dict]]:
     """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns (rows, evals), others
     ([], []). DDP rows evaluate every ``cfg.eval_steps`` steps; ``compute`` has no one model to
@@ -178,23 +195,16 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     def lr_at(step: int) -> float:
         return learning_rate(cfg, step, spe, workers)
 
-    def optimizer_for(m):
-        return torch.optim.SGD(
-            m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.sgd_nesterov, weight_decay=cfg.weight_decay
-        )
-
     if kind == "compute":
         transport.barrier()  # all ranks compute at once, as the workers of a real run do
         rows, _ = train_rows(
-            cfg, model, loader=loader, optimizer=optimizer_for(model), steps=steps, bytes_of_step=lambda: 0, lr_at=lr_at
+            cfg, model, loader=loader, optimizer=_sgd(cfg, model), steps=steps, bytes_of_step=lambda: 0, lr_at=lr_at
         )
         return (rows, []) if rank == 0 else ([], [])
 
     import torch.distributed as dist
 
-    host = os.environ.get("PSGRAD_RANK0_ADDR", "127.0.0.1")
-    port = int(transport.broadcast_bytes(str(_free_port(host)).encode() if rank == 0 else None).decode())
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=workers)
+    _init_gloo(transport)
     try:
         ddp, step_bytes = _wrapped(kind, model, numel=numel, workers=workers, powersgd_rank=powersgd_rank)
         evaluate = _evaluator(cfg, model, test, steps)
@@ -202,7 +212,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
             cfg,
             ddp,
             loader=loader,
-            optimizer=optimizer_for(ddp),
+            optimizer=_sgd(cfg, ddp),
             steps=steps,
             bytes_of_step=step_bytes,
             lr_at=lr_at,

@@ -267,6 +267,8 @@ def orchestrate(
     most = max(ranks_for(item, cfg, workers) for item in items)
     results: dict[str, list[dict]] = {item: [] for item in items}
     total, done = repeat * len(items), 0
+    spec = {"config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}  # what every job shares
+    spec |= {"powersgd_rank": powersgd_rank, "target": target}
     with ShapedNetwork(most, bandwidth) if bandwidth else nullcontext() as net, tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, **(net.environment() if net else {})}
         for round_ in range(repeat):
@@ -274,12 +276,7 @@ def orchestrate(
                 done += 1
                 out = Path(tmp) / f"out-{done}.json"
                 job = Path(tmp) / f"job-{done}.json"
-                job.write_text(
-                    json.dumps(
-                        {"item": item, "config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}
-                        | {"powersgd_rank": powersgd_rank, "target": target, "out": str(out)}
-                    )
-                )
+                job.write_text(json.dumps(spec | {"item": item, "out": str(out)}))
                 command = [sys.executable, "-m", "psgrad.bench", str(job)]
                 n = ranks_for(item, cfg, workers)
                 cmd = [mpiexec, *mpiexec_args, "-n", str(n), *(net.wrap(command) if net else command)]

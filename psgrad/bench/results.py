@@ -72,6 +72,21 @@ def busiest_link(m: dict, *, topology: str, baseline: bool, servers: int, worker
     return topology_of(topology).busiest_link(m, servers, workers)
 
 
+def _median(ms: list[dict]) -> dict:
+    """Each figure's median over an item's rounds."""
+    return {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+
+
+def _paired(ms: list[dict], refs: list[dict], *, t_net: float = 0.0) -> float:
+    """Median over rounds of an item's it/s over 1 / max(the reference's step time, t_net) in the
+    same round (with t_net = 0: simply over the reference's it/s)."""
+    # Divide rather than multiply by 1 / r: an item against itself must come out exactly 1.0.
+    return statistics.median(
+        m["it_per_s"] / r["it_per_s"] if r["it_per_s"] * t_net <= 1.0 else m["it_per_s"] * t_net
+        for m, r in zip(ms, refs, strict=False)
+    )
+
+
 def summarize(
     results: dict[str, list[dict]],
     *,
@@ -85,27 +100,14 @@ def summarize(
     ``topologies`` names each codec row's topology (default ps) for its busiest link.
     """
 
-    def median(item: str) -> dict:
-        ms = results[item]
-        return {k: statistics.median(m[k] for m in ms) for k in ms[0]}
-
-    def paired(item: str, reference: str, t_net: float = 0.0) -> float:
-        """Median over rounds of item's it/s over 1 / max(reference's step time, t_net) in the same
-        round (with t_net = 0: simply over the reference's it/s)."""
-        pairs = zip(results[item], results[reference], strict=False)
-        # Divide rather than multiply by 1 / r: an item against itself must come out exactly 1.0.
-        return statistics.median(
-            m["it_per_s"] / r["it_per_s"] if r["it_per_s"] * t_net <= 1.0 else m["it_per_s"] * t_net for m, r in pairs
-        )
-
-    base = median("none") if results.get("none") else None
-    compute = median("compute") if results.get("compute") else None
+    base = _median(results["none"]) if results.get("none") else None
+    compute = _median(results["compute"]) if results.get("compute") else None
     t_compute = 1.0 / compute["it_per_s"] if compute else None
     rows = []
     for item, ms in results.items():
         if not ms:
             continue
-        med = median(item)
+        med = _median(ms)
         its = [m["it_per_s"] for m in ms]
         per_step = med["bytes_up"] + med["bytes_down"]
         ideal = of_ideal = NAN
@@ -119,14 +121,14 @@ def summarize(
             )
             t_net = link * 8 / bandwidth_bits if bandwidth_bits else 0.0
             ideal = 1.0 / max(t_compute, t_net)
-            of_ideal = paired(item, "compute", t_net)
+            of_ideal = _paired(ms, results["compute"], t_net=t_net)
         head = item.split()[0] if item.split() else item
         rows.append(
             BenchRow(
                 item,
                 it_per_s=med["it_per_s"],
                 it_per_s_spread=(max(its) - min(its)) / 2,
-                speedup=paired(item, "none") if base else NAN,
+                speedup=_paired(ms, results["none"]) if base else NAN,
                 bytes_per_step=per_step,
                 bytes_up=med["bytes_up"],
                 bytes_down=med["bytes_down"],

@@ -217,19 +217,9 @@ def _unpack_array(name: str, entry: dict[str, Any], declared: tuple[np.dtype, tu
     return torch.from_numpy(array)
 
 
-def loads(
-    buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES, shape: tuple[int, ...] | None = None
-) -> Message:
-    """Parse and validate one message; raise ``WireError`` on anything malformed.
-
-    1. The buffer must be at most ``max_bytes`` long; msgpack parses it with every length capped.
-    2. The header's fields are type- and range-checked; with ``shape`` given (the receiver knows
-       the layer) the message's shape must equal it, so decoding never allocates more than the layer.
-    3. Every array's declared size is checked, and their sum must be at most ``max_bytes``, before
-       any array is decompressed: a small blosc frame cannot claim gigabytes. Receivers pass their
-       receive-buffer bound (``max_message_bytes``), which covers every honest payload.
-    4. Arrays are decompressed (blosc header validated first) and checked against their shapes.
-    5. The codec checks its own arrays (index ranges, counts)."""
+def _header(buf: bytes | bytearray | memoryview, max_bytes: int) -> dict:
+    """The message's msgpack map, every length capped by ``max_bytes``, with its keys, format
+    version, kind, dtype and array count checked (``loads``'s steps 1 and 2)."""
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         _fail(f"expected bytes, got {type(buf).__name__}")
     if len(buf) > max_bytes:
@@ -261,6 +251,23 @@ def loads(
         _fail(f"dtype {header['dtype']!r} is not one of {tuple(GRAD_DTYPES)}")
     if type(header["arrays"]) is not dict or len(header["arrays"]) > 16:
         _fail("arrays must be a map of at most 16 entries")
+    return header
+
+
+def loads(
+    buf: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BYTES, shape: tuple[int, ...] | None = None
+) -> Message:
+    """Parse and validate one message; raise ``WireError`` on anything malformed.
+
+    1. The buffer must be at most ``max_bytes`` long; msgpack parses it with every length capped.
+    2. The header's fields are type- and range-checked; with ``shape`` given (the receiver knows
+       the layer) the message's shape must equal it, so decoding never allocates more than the layer.
+    3. Every array's declared size is checked, and their sum must be at most ``max_bytes``, before
+       any array is decompressed: a small blosc frame cannot claim gigabytes. Receivers pass their
+       receive-buffer bound (``max_message_bytes``), which covers every honest payload.
+    4. Arrays are decompressed (blosc header validated first) and checked against their shapes.
+    5. The codec checks its own arrays (index ranges, counts)."""
+    header = _header(buf, max_bytes)
     msg_shape = _check_shape(header["shape"], "shape")
     if shape is not None and msg_shape != tuple(shape):
         _fail(f"shape {msg_shape} is not the layer's {tuple(shape)}")

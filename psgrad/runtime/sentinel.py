@@ -227,6 +227,12 @@ def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = 
     segments.remove(told or seen)  # MPI_Finalize, which removes them, will not run (runtime/segments.py)
     if claim_path is None:  # died before the job agreed on a claim file: there is no first death to settle
         return
+    _settle_death(words, pid=pid, claim_path=claim_path, rank=rank, role=role)
+
+
+def _settle_death(words: list[bytes], *, pid: str, claim_path: str, rank: str, role: str) -> None:
+    """A rank died with the job's claim file agreed: unless it ended the job on purpose, claim
+    the first death and say which rank died when, then tidy up and remove the claim."""
     if _ABORT not in words:
         now = datetime.datetime.now().strftime("%H:%M:%S.%f")
         if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):
