@@ -1,8 +1,8 @@
 """The run context, built once per rank and not changed after, and the interface every role
 implements.
 
-``RunContext.build`` does, in order: settings -> rank layout -> model -> layer plan -> this
-rank's data shard -> steps -> resume state; ``open_log`` then writes config.json and opens the
+``RunContext.build`` does, in order (on the layout ``startup.prepare`` gave): device -> model ->
+layer plan -> this rank's data and the run's steps -> resume state; ``open_log`` then writes config.json and opens the
 metrics log (rank 0), once a resumed state has loaded on every rank. Every role receives the same
 context, so no role wires up a model, codec, feedback, evaluation or checkpoint path of its own:
 evaluations are ``ctx.evaluations`` (psgrad.evaluation), checkpoints ``ctx.checkpoints``
@@ -93,13 +93,15 @@ class RunContext:
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it).
 
-        1. Threads, and the model, from the same seed on every rank.
+        1. Threads, this rank's device, and the model, from the same seed on every rank.
         2. The layer plan, sharded over the serving ranks by coded bytes.
         3. This rank's data and the run's steps (``shards.rank_data``: the job stops there when a
-           dataset cannot serve it), and its device.
+           dataset cannot serve it).
         4. The resumed state, and the step the run starts at.
         """
         torch.set_num_threads(cfg.threads)
+        trains = layout.is_worker(transport.rank)
+        device = rank_device(cfg.device, transport=transport, is_worker=trains)
         model = seeded_model(
             model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
         )
@@ -112,7 +114,6 @@ class RunContext:
         )
         transport.check_tag(layer_tag(len(layers)))
         data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
-        trains = layout.is_worker(transport.rank)
         resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
         ctx = cls(
             cfg=cfg,
@@ -125,7 +126,7 @@ class RunContext:
             steps_per_epoch=data.steps_per_epoch,
             total=data.total,
             start=start,
-            device=rank_device(cfg.device, transport=transport, is_worker=trains),
+            device=device,
             evaluations=Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data),
             checkpoints=Checkpoints(cfg.log_dir, transport=transport, every=cfg.checkpoint_every, total=data.total),
             loader=data.loader,

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from .config import RunConfig
-from .data import eval_batches
+from .data import RankData, eval_batches
 from .models.layout import in_layout, memory_format
-from .shards import RankData
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from .comm.layout import RankLayout
 from .config import RunConfig
-from .data import DataError, ImageSet, ShardLoader, load_dataset
+from .data import DataError, ImageSet, RankData, ShardLoader, load_dataset
 from .startup import agree
 
 if TYPE_CHECKING:  # the interface only
@@ -63,8 +62,9 @@ def read_agreed(cfg: RunConfig, transport: Channel, read: Callable[[], T]) -> T 
 
 def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
     """Worker ``worker``'s batches of ``cfg``'s training set, split over ``workers`` as the run says."""
+    images = load_split(cfg, "train")
     return ShardLoader(
-        load_split(cfg, "train"),
+        images,
         dataset=cfg.dataset,
         worker=worker,
         workers=workers,
@@ -73,17 +73,6 @@ def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
         partition=cfg.partition,
         augment=cfg.augment,
     )
-
-
-@dataclass(frozen=True)
-class RankData:
-    """This rank's data for a run, and the run's length in steps, which every rank agrees on."""
-
-    loader: object | None  # a worker's batches: ``batch(step)`` and ``steps_per_epoch``
-    test_set: ImageSet | None  # rank 0's, unless the caller evaluates on data of its own
-    label: str  # how reports name the data
-    steps_per_epoch: int  # the mean of the workers' shards, the same on every rank
-    total: int  # from --steps, or --epochs of steps_per_epoch
 
 
 def rank_data(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -214,3 +215,14 @@ def eval_batches(data: ImageSet, dataset: str, batch_size: int = 256):
     for start in range(0, len(data.labels), batch_size):
         images = torch.from_numpy(data.images[start : start + batch_size])
         yield normalize(images, dataset), torch.from_numpy(data.labels[start : start + batch_size])
+
+
+@dataclass(frozen=True)
+class RankData:
+    """This rank's data for a run, and the run's length in steps, which every rank agrees on."""
+
+    loader: object | None  # a worker's batches: ``batch(step)`` and ``steps_per_epoch``
+    test_set: ImageSet | None  # rank 0's, unless the caller evaluates on data of its own
+    label: str  # how reports name the data
+    steps_per_epoch: int  # the mean of the workers' shards, the same on every rank
+    total: int  # from --steps, or --epochs of steps_per_epoch
