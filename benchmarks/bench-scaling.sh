@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # When to leave the single server: step time against the number of workers on slow links, one
-# server rank against colocated servers, dense and compressed (docs/benchmarks.md, "Scaling").
+# server rank against colocated servers, dense and compressed (docs/benchmarks.md, "One server or colocated").
 # Usage: sudo bash benchmarks/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS]
 #   defaults: bench-scaling 10mbit "2 4 8" 8 — shaped links need root. ResNet-20 at batch 8: a small
 #   model keeps the run link-bound (N ranks share this machine's cores), and its 21 layers of

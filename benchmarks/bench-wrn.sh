@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The WRN-16-4 tables of docs/benchmarks.md: 1 server + 2 workers at loopback, 1 Gbit/s and 100 Mbit/s.
+# WRN-16-4 with 1 server + 2 workers at loopback, 1 Gbit/s and 100 Mbit/s: psgrad bench's rows and baselines per network.
 # Usage: bash benchmarks/bench-wrn.sh [OUT_DIR] [STEPS] [REPEAT] [NETWORKS]   (shaped runs need root;
-# NETWORKS defaults to "loopback 1gbit 100mbit"; see docs/benchmarks.md)
+# NETWORKS defaults to "loopback 1gbit 100mbit"; how bench measures: docs/benchmarks.md)
 set -euo pipefail
 out=${1:-bench-wrn}
 steps=${2:-10}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Test accuracy of the benchmarked configurations on the accuracy proxy at equal epochs, over seeds
-# (docs/benchmarks.md, "Accuracy over seeds"): WRN-10-1, 1 server + 2 workers x batch 32, cosine
+# (docs/benchmarks.md, "Which codec learns"): WRN-10-1, 1 server + 2 workers x batch 32, cosine
 # schedule from lr 0.1, the final evaluation of each run.
 # Usage: bash benchmarks/proxy-accuracy.sh [OUT_DIR] [EPOCHS] [SEEDS]   (defaults: proxy-accuracy 15 "0 1 2")
 # Prints one line per configuration: the accuracies by seed, their median and spread (max - min).

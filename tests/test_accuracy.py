@@ -1,4 +1,5 @@
-"""The start-up note for combinations that trailed dense training on the accuracy proxy."""
+"""The start-up note for combinations that trailed dense training on the accuracy proxy or on
+the held-out set."""
 
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def test_a_combination_that_trailed_dense_gets_a_note_with_its_measurement(optio
         {"codec": "terngrad"},
         # a parameter the entry pins sets the codec apart: bucketed sign is not one-scale sign
         {"codec": "sign:bucket=64", "feedback": "ef", "down_codec": "sign:bucket=64"},
-        {"codec": "sign:bucket=32", "feedback": "ef", "down_codec": "qsgd:levels=16"},  # at parity
         {"codec": "powersgd:rank=8", "topology": "colocated"},  # at parity; the rank sets PowerSGDs apart
         {"codec": "powersgd:rank=16", "topology": "colocated"},  # never measured
         {"codec": "sign", "topology": "ring"},  # the torus entry is not the ring's (at parity there)
@@ -54,6 +54,19 @@ def test_parity_or_no_measurement_gets_no_note(options):
     assert accuracy_note(RunConfig(**options)) is None
 
 
+def test_a_combination_at_parity_on_the_proxy_that_trails_off_it_gets_a_note_naming_both():
+    """The proxy's classes are separable in a way real images are not: bucketed sign with a
+    QSGD-16 down-link reached 0.990x dense there and 0.96x on the held-out set."""
+    note = accuracy_note(RunConfig(codec="sign:bucket=32", feedback="ef", down_codec="qsgd:levels=16"))
+    assert (
+        note is not None
+        and "0.99x dense test accuracy at equal epochs on the accuracy proxy" in note
+        and "0.96x on a held-out" in note
+    )
+    at_parity_on_both = RunConfig(codec="powersgd:rank=8", topology="colocated")
+    assert measured(at_parity_on_both).held_out >= 0.98 and accuracy_note(at_parity_on_both) is None
+
+
 def test_every_entry_names_a_real_codec_and_a_docs_section():
     codecs = {name.split(":")[0] for name in available_codecs()}
     for entry in MEASURED:
@@ -62,12 +75,14 @@ def test_every_entry_names_a_real_codec_and_a_docs_section():
         assert entry.feedback in ("none", "ef", "dgc")
         assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
         assert entry.topology in ("", *TOPOLOGIES), entry
+        assert entry.held_out is None or 0 < entry.held_out <= 1.1, entry
     assert measured(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=16")).of_dense >= PARITY
 
 
 def test_the_bench_default_rows_were_measured_at_parity():
     """`psgrad bench`'s default rows are what it recommends: each must have a measurement at or
-    above the bar (dense itself aside), so a row that trailed dense cannot become a default."""
+    above the bar on both datasets (dense itself aside), so a row that trailed dense cannot
+    become a default."""
     from psgrad.bench.launcher import item_config
     from psgrad.cli import bench
 
@@ -77,4 +92,4 @@ def test_the_bench_default_rows_were_measured_at_parity():
     for row in rows:
         _, cfg = item_config(row, RunConfig())
         found = measured(cfg)
-        assert found is not None and found.of_dense >= PARITY, row
+        assert found is not None and not found.trails and found.held_out is not None, row

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import click
@@ -171,3 +172,57 @@ def test_python_snippets_run_as_written(tmp_path):
             script.write_text(block)
             out = run_bounded([sys.executable, str(script)], timeout=120)
             assert out.returncode == 0, f"{path.name} python block {index}: {out.stderr[-2000:]}"
+
+
+ROOT = DOCS.parent
+# what the product's text may not say of itself: the history lives in git
+_HISTORY = re.compile(r"\bsessions?\b(?! *=)|\bissue #?\d+|\bissues? #\d+|#\d+\b(?!\])|\bitem \d+\b", re.IGNORECASE)
+_DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+BENCHMARKS_BUDGET = 400
+
+
+def _product_text() -> list[Path]:
+    """README, docs/, launch/ and the package's source: where the product speaks of itself."""
+    files = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((ROOT / "launch").iterdir())]
+    files += sorted((ROOT / "psgrad").rglob("*.py"))
+    return [f for f in files if f.is_file() and f.suffix in (".md", ".py", ".sh", ".sbatch", "")]
+
+
+def test_the_product_names_no_session_issue_item_or_date():
+    """docs/, the README, launch/ and the source say what psgrad does and how it was measured,
+    never which session or issue did it, nor a dated running log."""
+    found = []
+    for path in _product_text():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            text = line.replace("start_new_session", "")  # subprocess's keyword, not a work session
+            for pattern in (_HISTORY, _DATED):
+                if pattern.search(text):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
+
+
+def test_benchmarks_is_a_results_page_within_its_budget():
+    lines = (DOCS / "benchmarks.md").read_text().splitlines()
+    assert len(lines) <= BENCHMARKS_BUDGET, (
+        f"docs/benchmarks.md has {len(lines)} lines, over its budget of {BENCHMARKS_BUDGET}: replace superseded "
+        "figures instead of adding below them (git keeps the history)"
+    )
+
+
+def test_every_docs_section_reference_names_a_heading_that_exists():
+    """`docs/benchmarks.md, "Which codec learns"` in the docs, the README or the source must name a
+    heading of that page, so a renamed section cannot leave a dangling pointer."""
+    reference = re.compile(r"docs/([a-z_]+\.md),\s+\"([^\"]+)\"")
+    headings = {
+        path.name: [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+        for path in DOCS.glob("*.md")
+    }
+    dangling = []
+    for path in [*_product_text(), *sorted((ROOT / "benchmarks").iterdir())]:
+        if not path.is_file():
+            continue
+        for page, title in reference.findall(path.read_text(errors="replace").replace("\n", " ")):
+            title = title.replace("\\'", "'")
+            if not any(h.startswith(title) for h in headings.get(page, [])):
+                dangling.append(f"{path.relative_to(ROOT)}: {page}, {title!r}")
+    assert not dangling, "\n".join(dangling)

@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         "--stack",
         choices=["auto", "on", "off"],
         default="auto",
-        help="psgrad simulate's --stack: auto (its default, the same as on since 2026-11-28: the workers "
-        "stacked, one group per core), on (--stack) or off (--no-stack).",
+        help="psgrad simulate's --stack: auto (its default, the same as on: the workers stacked, one group "
+        "per core), on (--stack) or off (--no-stack).",
     )
     args = parser.parse_args(argv)
     if args.steps < WARMUP + 2:  # the server's phases are differences between the first timed step and the last

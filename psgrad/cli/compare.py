@@ -45,11 +45,10 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option(
     "--codecs",
     "bench_codecs",
-    default="none;qsgd:levels=16 --down-codec qsgd:levels=16;sign:bucket=32 --feedback ef --down-codec qsgd:levels=16;"
-    "powersgd:rank=8",
+    default="none;qsgd:levels=16 --down-codec qsgd:levels=16;powersgd:rank=8",
     help="Codec specs to compare, separated by ';' (none is the speed-up baseline); a spec may be followed by "
     "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01'. "
-    "The default rows are the combinations nearest dense accuracy on the accuracy proxy (docs/benchmarks.md).",
+    "The default rows are the combinations at dense accuracy on the accuracy proxy and on a held-out real image set (docs/benchmarks.md).",
 )
 @click.option(
     "--baselines",

@@ -3,7 +3,7 @@
 On CPU, oneDNN's convolutions run faster on channels-last (NHWC) inputs than on PyTorch's default
 contiguous (NCHW) ones: one thread, forward and backward, channels-last took 0.77x the time of
 contiguous for WRN-10-1 at batch 128, 0.82x for ResNet-20, 0.92x for WRN-16-4 and ResNet9, 0.94x
-for AlexNet (docs/benchmarks.md, "Channels-last batches"). In contiguous layout oneDNN hands back
+for AlexNet (docs/benchmarks.md, "Smaller measurements"). In contiguous layout oneDNN hands back
 the input gradient of strided convolutions channels-last anyway and torch copies it back.
 
 1. ``memory_format(name, device)``: ``auto`` is channels-last on CPU and contiguous elsewhere
