@@ -50,9 +50,10 @@ class FaultyLoader:
 
 
 start_mpi()  # MPI starts with the first transport: here, before listing the files it maps
-print(f"library {mpi_library()}", flush=True)
-for path in segments.job_segments():
-    print(f"segment {path}", flush=True)
+# one write a line: print's text and its newline are two writes, which another rank's line
+# can come between on the shared pipe ("library MPICH ...segment /dev/shm/...")
+sys.stdout.write(f"library {mpi_library()}\n" + "".join(f"segment {path}\n" for path in segments.job_segments()))
+sys.stdout.flush()
 if how == "exit":
     hold_goodbyes()
 cfg = RunConfig(model="mlp", steps=50, batch_size=8, progress=False, topology=topology, mode=mode, timeout=5)
