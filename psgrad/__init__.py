@@ -21,6 +21,18 @@ _HOMES = {
     "DGCMemory": "psgrad.feedback",
     "ErrorFeedback": "psgrad.feedback",
     "make_feedback": "psgrad.feedback",
+    # your own training loop (docs/api.md)
+    "init": "psgrad.userloop",
+    "rank": "psgrad.userloop",
+    "size": "psgrad.userloop",
+    "num_workers": "psgrad.userloop",
+    "worker_index": "psgrad.userloop",
+    "is_worker": "psgrad.userloop",
+    "shutdown": "psgrad.userloop",
+    "shard": "psgrad.userloop",
+    "DistributedOptimizer": "psgrad.userloop",
+    "broadcast_parameters": "psgrad.userloop",
+    "broadcast_optimizer_state": "psgrad.userloop",
 }
 __all__ = sorted(_HOMES)
 

@@ -68,6 +68,7 @@ class RunContext:
     resume: dict | None = None
     optimizer_fn: OptimizerFn | None = None
     buffers_size: int = 0
+    sums: bool = False  # the servers return the workers' mean gradient; the workers update (own loop)
 
     @property
     def rank(self) -> int:
@@ -189,6 +190,12 @@ class RunContext:
             else {}
         )
         return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
+
+    def make_down_feedback(self) -> NoFeedback | None:
+        """A summing server's memory around --down-codec (error feedback: what the coded mean
+        gradient dropped goes out in later steps); None for a dense down-link."""
+        down = make_codec(self.cfg.down_codec)
+        return make_feedback("ef", down) if down.name != "none" else None
 
 
 def _announce(ctx: RunContext, *, named_model: bool) -> None:

@@ -88,7 +88,7 @@ FLOORS = [
     (3, ["psgrad.context", "psgrad.startup"]),
     (4, ["psgrad.engine"]),
     (5, sorted(ROLE_ENGINES)),
-    (6, ["psgrad.train", "psgrad.sim.simulate"]),
+    (6, ["psgrad.train", "psgrad.sim.simulate", "psgrad.userloop"]),
     (7, ["psgrad.options", "psgrad.plot"]),
     (8, ["psgrad.bench"]),
     (9, ["psgrad.cli", "psgrad.clidoc", "psgrad.runtime.job"]),

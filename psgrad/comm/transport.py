@@ -325,6 +325,14 @@ def finalize() -> None:
     _run_hooks(_AFTER_FINALIZE)
 
 
+def finalize_together() -> None:
+    """The barrier ``finalize_and_exit`` holds (blocking: a nonblocking collective never matches a
+    blocking one), then ``finalize``: a rank that goes on living after MPI, beside ranks that leave."""
+    if _mpi_running():
+        MPI.COMM_WORLD.Barrier()
+    finalize()
+
+
 def finalize_and_exit(code: int = 0) -> None:
     """Finalize MPI, flush, and leave the process through the C library's ``exit``, skipping the
     interpreter's teardown.

@@ -23,7 +23,7 @@ from ..codecs import Codec, Message, make_codec
 from ..codecs.base import GRAD_DTYPES
 
 FORMAT_VERSION = 1
-KINDS = ("grad", "params", "delta", "code", "control", "buffers")
+KINDS = ("grad", "params", "delta", "code", "mean", "control", "buffers")
 ARRAY_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "uint8": (np.dtype("<u1"), torch.uint8),
     "int32": (np.dtype("<i4"), torch.int32),

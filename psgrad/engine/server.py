@@ -8,7 +8,10 @@ Sync mode (``SyncServer``), per layer l owned by this rank:
    accumulator with weight 1/W — held first if an earlier worker's is still missing, so the sum
    is always taken in worker order — and the receive is re-posted for the next step.
 3. When l has all W contributions: optimizer update of l, then l goes back to every worker at
-   once, encoded once — layers go back in the order they complete. With ``--down-codec none`` the
+   once, encoded once — layers go back in the order they complete. A server that only sums
+   (``ctx.sums``: the workers run their own optimizer, psgrad.userloop) sends the mean gradient
+   instead (``mean``), coded with --down-codec inside error feedback on the server, and keeps no
+   values. With ``--down-codec none`` the
    message is l's new value (``params``). With any other down-codec it is the encoded change
    since what the workers hold (``delta``): the server keeps a copy of the workers' l (the
    shadow), encodes value - shadow and adds the decoded message to the shadow, so what the codec
@@ -75,9 +78,10 @@ class ServerBase:
         self.rank = ctx.rank
         self.layers = ctx.layers
         self.owned = [layer for layer in ctx.layers if layer.owner == self.rank]
-        params = dict(ctx.model.named_parameters())
-        # owned layer index -> flat fp32 tensor: the authoritative copy
-        self.values = {layer.index: layer_values(params, layer).cpu() for layer in self.owned}
+        # owned layer index -> flat fp32 tensor: the authoritative copy (a summing server has none)
+        self.sums = ctx.sums
+        params = {} if self.sums else dict(ctx.model.named_parameters())
+        self.values = {layer.index: layer_values(params, layer).cpu() for layer in self.owned if not self.sums}
         self.workers = ctx.layout.worker_ranks
         self.remote_workers = [w for w in self.workers if w != self.rank]
         self.num_workers = len(self.workers)
@@ -93,7 +97,9 @@ class ServerBase:
         self.rounds = {layer.index: layer_rounds(codec, layer) for layer in self.owned}
         # what the workers hold of each owned layer: one copy in sync mode, one per worker in async
         self.shadow: dict[tuple[int, int], torch.Tensor] = {}
-        if self.send_deltas:
+        # a summing server's down-link memory: what its coded means dropped, sent in later steps
+        self.mean_feedback = ctx.make_down_feedback() if self.sums else None
+        if self.send_deltas and not self.sums:
             for layer in (layer for layer in self.owned if layer.compress and self.rounds[layer.index] == 1):
                 for w in self.shadow_keys():
                     self.shadow[(layer.index, w)] = self.values[layer.index].clone()
@@ -157,7 +163,7 @@ class ServerBase:
                 numel = sum(layer.numel for layer in self.layers if layer.owner == server)
                 nbytes = wire.max_message_bytes("none", (numel,), VALUES_LAYER)
                 self._post(("values", server, numel), nbytes, server, TAG_VALUES)
-        for layer in self.owned:
+        for layer in self.owned if not self.sums else ():  # a summing server's workers start alike
             self._reply(layer, self.workers, exact=True)
         self.doing = None
 
@@ -189,6 +195,16 @@ class ServerBase:
             # the same decode_add the workers run on their parameters: the shadow stays bit-exact
             self.down_codec.decode_add(payload, shadow)
         self._deliver(layer, Envelope(kind, layer.name, step, self.rank).seal(payload), workers)
+
+    def _reply_mean(self, layer: Layer, mean: torch.Tensor, *, step: int, skip: bool) -> None:
+        """Send every worker the mean gradient of ``layer``: exact, or coded with --down-codec
+        inside the server's error feedback (a layer that is not compressed always goes exact)."""
+        if self.mean_feedback is not None and layer.compress:
+            seed = message_seed(self.cfg.seed, step, layer.index, SERVER_STREAM)
+            payload = self.mean_feedback.encode(layer.name, mean.view(layer.shape), seed)
+        else:  # a copy: the accumulator is cleared for the next step while the reply may wait
+            payload = self.exact_codec.encode(mean.view(layer.shape).clone())
+        self._deliver(layer, Envelope("mean", layer.name, step, self.rank).seal(payload, skip=skip), self.workers)
 
     def _deliver(self, layer: Layer, msg: Message, workers: list[int]) -> None:
         """Send ``msg`` about ``layer`` to ``workers``: encoded once, handed over on this rank."""
@@ -372,12 +388,18 @@ class ServerBase:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.sums:
+            return {"mean_feedback": self.mean_feedback.state_dict()} if self.mean_feedback else {}
         state = {f"value/{i}": v for i, v in self.values.items()}
         state.update({f"shadow/{i}/{w}": v for (i, w), v in self.shadow.items()})
         state.update({f"optim/{k}": v for k, v in self.optimizer.state_dict().items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.sums:
+            if self.mean_feedback is not None and "mean_feedback" in state:
+                self.mean_feedback.load_state_dict(state["mean_feedback"])
+            return
         for key, tensor in state.items():
             if key.startswith("value/"):
                 index = int(key.removeprefix("value/"))

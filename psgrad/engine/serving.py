@@ -42,6 +42,10 @@ class SyncServer(ServerBase):
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         index = layer.index
+        if self.sums and self.count[index] == 0 and not self.held[index]:
+            # your loop counts the steps: a sum takes the step of its first gradient (a loop that
+            # loaded a checkpoint goes on from its step), and every other worker's must match it
+            self.layer_step[index] = msg.step
         self._check_grad(worker, layer, msg, expected=self.layer_step[index], round_=self.round.get(index, 0))
         held = self.held[index]
         held[worker] = msg
@@ -61,13 +65,17 @@ class SyncServer(ServerBase):
         self.count[index] = 0
         if index in self.round and not self._close_round(layer, msg):
             return
-        if index not in self.round:
-            self._apply(layer, self.acc[index], msg.step, skip=index in self.skipping)
-            self.acc[index].zero_()
+        step, skip = msg.step, index in self.skipping
+        if index not in self.round and not self.sums:
+            self._apply(layer, self.acc[index], step, skip=skip)
         self.skipping.discard(index)
         self.layer_step[index] += 1
         if index not in self.round:
-            self._reply(layer, self.workers)
+            if self.sums:
+                self._reply_mean(layer, self.acc[index], step=self.layer_step[index], skip=skip)
+            else:
+                self._reply(layer, self.workers)
+            self.acc[index].zero_()
         if all(self.layer_step[i] > msg.step for i in self.layer_step):
             self.completed_step = msg.step
 
@@ -88,7 +96,8 @@ class SyncServer(ServerBase):
         grad = codec.gradient(self.code_replies.pop(index))
         what = f"step {msg.step}: the gradient sum of {layer.name!r} on server rank {self.rank}"
         skip = skip_update(grad, what, self.cfg.on_nonfinite, index in self.skipping)
-        self._apply(layer, grad, msg.step, skip=skip)
+        if not self.sums:
+            self._apply(layer, grad, msg.step, skip=skip)
         self.round[index] = 1
         self._deliver(
             layer, code_message(layer, round_, reply, codec=codec, step=step, sender=self.rank, skip=skip), self.workers

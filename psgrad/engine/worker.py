@@ -26,6 +26,7 @@ gradients are handed to the server as messages and their replies taken from it, 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +60,16 @@ from .server import BUFFERS_LAYER, ServerBase
 class Worker:
     """Trains ``ctx.model`` through the servers; see the module docstring."""
 
-    def __init__(self, ctx: RunContext, feedback: NoFeedback, local: ServerBase | None = None) -> None:
+    def __init__(
+        self,
+        ctx: RunContext,
+        feedback: NoFeedback,
+        local: ServerBase | None = None,
+        *,
+        on_mean: Callable[[Layer, torch.Tensor, bool], None] | None = None,
+    ) -> None:
+        """``on_mean(layer, flat_gradient, applied)`` takes each layer's mean gradient where the
+        servers only sum (``ctx.sums``: the caller's optimizer updates the model)."""
         self.ctx, self.cfg, self.transport = ctx, ctx.cfg, ctx.transport
         self.model, self.layers, self.device = ctx.model, ctx.layers, ctx.device
         self.feedback, self.local = feedback, local
@@ -80,7 +90,11 @@ class Worker:
         # optimizer that applies their last reply here, as the server does to its copy
         self.rounds = [layer_rounds(feedback.codec, layer) for layer in self.layers]
         self.awaiting: dict[int, int] = {}
-        self.optimizer = ctx.make_optimizer() if max(self.rounds, default=1) > 1 else None
+        self.multi_round = max(self.rounds, default=1) > 1
+        self.optimizer = ctx.make_optimizer() if self.multi_round and not ctx.sums else None
+        self.on_mean = on_mean
+        if ctx.sums and on_mean is None:
+            raise ValueError("a worker of servers that only sum needs on_mean: who takes the mean gradient")
         self._advancing = False
         self.pulls: dict[int, Handle | None] = {}  # None: the reply comes from the local server
         self.parse_seconds = 0.0  # the last reply's wire.loads: decoding, not waiting
@@ -116,7 +130,7 @@ class Worker:
         return worked
 
     def _idle(self):
-        if self.optimizer is not None:
+        if self.multi_round:
             return self._serve_and_advance
         return self.serve if self.local is not None else None
 
@@ -220,6 +234,12 @@ class Worker:
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
         if msg.kind == "code":
             return self._apply_code(layer, msg, start)
+        if self.ctx.sums:
+            self._check_reply(layer, msg, ("mean",))
+            codec = self.reply_codecs[msg.codec]
+            self.on_mean(layer, codec.decode(msg, device=self.device).view(-1), not msg.meta.get("skip"))
+            self.stats.decode += time.perf_counter() - start
+            return
         self._check_reply(layer, msg, ("params", "delta"))
         apply_values(
             msg, layer=layer, params=self.params, codecs=self.reply_codecs, device=self.device, stats=self.stats
@@ -229,9 +249,11 @@ class Worker:
         """The last round's reply: the gradient every rank applies, with the same optimizer."""
         self._check_reply(layer, msg, ("code",), self.rounds[layer.index])
         applied, local = not msg.meta.get("skip"), self._is_local(layer.owner)
-        grad = self.feedback.finish(layer.name, msg.arrays, applied, gradient=not local)
+        grad = self.feedback.finish(layer.name, msg.arrays, applied, gradient=not local or self.ctx.sums)
         mid = time.perf_counter()
-        if applied:
+        if self.ctx.sums:
+            self.on_mean(layer, grad, applied)
+        elif applied:
             param = self.params[layer.params[0]].detach().view(-1)
             with torch.no_grad():
                 if local:  # this rank's server part applied the same update to its copy: take its bits
@@ -268,7 +290,7 @@ class Worker:
         self.stats.encode += time.perf_counter() - start
         self._send(layer, msg)
         self.serve()
-        if self.optimizer is not None and self.cfg.push == "backward":  # after: the rounds come next anyway
+        if self.multi_round and self.cfg.push == "backward":  # after: the rounds come next anyway
             self.advance_rounds()
 
     def _send(self, layer: Layer, msg: Message) -> None:
@@ -368,7 +390,7 @@ class Worker:
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
     def state_dict(self) -> dict:
-        if self.optimizer is not None:
+        if self.multi_round:
             # the last round's replies update the multi-round memory (PowerSGD's error and Q)
             self.finish_pulls()
         return {

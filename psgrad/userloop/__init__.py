@@ -1,0 +1,20 @@
+"""psgrad in your own training loop (docs/api.md): ``init`` on every rank, then your optimizer
+wrapped in ``DistributedOptimizer``. ``psgrad.train.run`` stays the loop that is psgrad's."""
+
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, shard
+from .optimizer import DistributedOptimizer
+from .world import init, is_worker, num_workers, rank, shutdown, size, worker_index
+
+__all__ = [
+    "DistributedOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "init",
+    "is_worker",
+    "num_workers",
+    "rank",
+    "shard",
+    "shutdown",
+    "size",
+    "worker_index",
+]

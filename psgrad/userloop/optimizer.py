@@ -1,0 +1,252 @@
+"""``DistributedOptimizer``: your optimizer, stepping on the mean of every worker's gradient, which
+psgrad's engines move coded while your backward pass goes on.
+
+Per step, on each worker:
+1. Backward: when a layer's last parameter has its gradient (in the last of
+   ``backward_passes_per_step`` passes), the layer is coded (feedback -> codec -> wire) and pushed
+   to its server at once (``engine.worker.Worker.push``), as in ``psgrad train``.
+2. ``synchronize()``: layers no hook pushed (parameters without a gradient) go now; the worker
+   answers the rounds of a multi-round codec (PowerSGD); then each layer's reply is decoded into
+   its parameters' ``.grad``: the mean over the workers, coded with ``--down-codec`` (the servers
+   keep what it drops for later steps) or exact.
+3. ``step()``: ``synchronize()`` (unless inside ``skip_synchronize()``), then your optimizer's
+   own ``step``. Clip, unscale (``GradScaler.unscale_``) or log between 2 and 3.
+
+Why a wrapper that is a ``torch.optim.Optimizer`` (as Horovod's is), not a model wrapper: the
+step is where a loop waits for the mean gradient, and LR schedulers and ``GradScaler`` take an
+optimizer. It shares your optimizer's ``param_groups`` and ``state``, so a scheduler built on
+either sees the same learning rates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..comm.protocol import Layer, StepStats
+from ..engine.serving import SyncServer
+from ..engine.worker import Worker
+from .world import World, context, layer_plan, world
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """``optimizer`` stepping on the workers' mean gradient of ``model``'s trainable parameters
+    (see the module docstring). Build it on every worker, after ``psgrad.init``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, backward_passes_per_step: int = 1):
+        # torch.optim.Optimizer.__init__ is not called: the groups and state are optimizer's own
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
+        self.optimizer, self.model, self.passes = optimizer, model, backward_passes_per_step
+        w: World = world()
+        if w.optimizers:
+            raise RuntimeError("one DistributedOptimizer per process: psgrad's servers serve one layer plan")
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError("the model has no parameter that requires a gradient")
+        named = [(name, tuple(p.shape)) for name, p in self.params.items()]
+        device = next(iter(self.params.values())).device
+        layers = layer_plan(w, named)
+        ctx = context(w, model=_Trainable(self.params), layers=layers, device=device)
+        self.calls = dict.fromkeys(self.params, 0)  # backward hook calls this step, per parameter
+        self.posted = self.synchronized = self.skipping = False
+        self.step_index = 0
+        # before the worker's own hooks (torch runs a parameter's hooks in the order registered):
+        # they read backprop.pushing, which the counting hook sets for the last pass
+        self._hooks = [p.register_post_accumulate_grad_hook(self._count(n)) for n, p in self.params.items()]
+        self.server = SyncServer(ctx) if w.layout.is_server(w.transport.rank) else None
+        self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)
+        if self.server is not None:
+            self.server.start()
+            # a colocated rank serves its shard between the other ranks' pushes: in every forward
+            # pre-hook, as well as in the backward hooks and the waits
+            self._hooks += [m.register_forward_pre_hook(self._serve) for m in model.modules()]
+        w.closers.append(self._close)
+        w.optimizers += 1
+
+    # ------------------------------------------------------------------ what torch sees
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    # ------------------------------------------------------------------ the step
+    def synchronize(self) -> None:
+        """Wait until every layer's mean gradient is in ``.grad`` (idempotent within a step)."""
+        if self.synchronized:
+            return
+        worker = self.worker
+        self._post()
+        worker.backprop.pushing = True
+        worker.push_missing()
+        while worker.awaiting:
+            worker.advance_rounds(only=next(iter(worker.awaiting)))
+        worker.transport.wait_all(worker.sends, worker._idle())
+        worker.sends = []
+        worker.finish_pulls()
+        self.synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize: call ``synchronize()`` before it."""
+        self.skipping = True
+        try:
+            yield
+        finally:
+            self.skipping = False
+
+    def step(self, closure=None):  # type: ignore[override]
+        """Your optimizer's step on the mean gradient (``synchronize()`` first, unless skipped)."""
+        if self.skipping and not self.synchronized:
+            raise RuntimeError(
+                "step() inside skip_synchronize() needs synchronize() first: the gradients are not in yet"
+            )
+        self.synchronize()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._next_step()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Your optimizer's ``zero_grad``; refused while this step's gradients are on their way."""
+        if any(self.calls.values()) and not self.synchronized:
+            raise RuntimeError(
+                "zero_grad() after backward() but before step() or synchronize(): this step's gradients are "
+                "on their way to the servers; call step() (or synchronize()) first"
+            )
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("psgrad's layer plan is fixed when the DistributedOptimizer is built: add groups before")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:  # type: ignore[override]
+        """Your optimizer's state, and this rank's compression memories (error feedback, PowerSGD's
+        factors, a colocated rank's down-link memory) and step: save it per rank."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "psgrad": {
+                "step": self.step_index,
+                "feedback": self.worker.feedback.state_dict(),
+                "server": self.server.state_dict() if self.server is not None else {},
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        if "psgrad" not in state_dict:
+            raise ValueError(
+                "not a psgrad.DistributedOptimizer state_dict (no 'psgrad' entry): load it into your optimizer"
+            )
+        ours = state_dict["psgrad"]
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.worker.feedback.load_state_dict(ours["feedback"])
+        if self.server is not None:
+            self.server.load_state_dict(ours["server"])
+        self.step_index = self.worker.step = int(ours["step"])
+        self.worker.stats = StepStats(step=self.step_index)
+
+    # ------------------------------------------------------------------ inside
+    def _count(self, name: str):
+        """The hook that counts backward passes, and decides whether the worker's hook pushes."""
+
+        def hook(param: torch.Tensor) -> None:
+            if self.synchronized:  # the last step ended without step(): GradScaler skipped it
+                self._next_step()
+            self.calls[name] += 1
+            if self.calls[name] > self.passes:
+                raise RuntimeError(
+                    f"a backward pass more than backward_passes_per_step={self.passes} before step(): "
+                    "call step() after each, or raise backward_passes_per_step"
+                )
+            pushing = self.calls[name] == self.passes
+            self.worker.backprop.pushing = pushing
+            if pushing:
+                self._post()
+
+        return hook
+
+    def _serve(self, module: nn.Module, inputs: tuple) -> None:
+        self.worker.serve()  # returns None: a pre-hook's result would replace the module's inputs
+
+    def _post(self) -> None:
+        """Receives for this step's replies, once, before the first push of the step."""
+        if not self.posted:
+            self.worker.post_pulls(self.step_index + 1)
+            self.posted = True
+
+    def _take_mean(self, layer: Layer, flat: torch.Tensor, applied: bool) -> None:
+        """A layer's mean gradient into its parameters' ``.grad`` (NaN where a worker's gradient
+        was not finite and ``on_nonfinite`` is ``skip``: GradScaler then skips the step)."""
+        offset = 0
+        for name in layer.params:
+            param = self.params[name]
+            part = flat[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if not applied:
+                part = torch.full_like(part, float("nan"))
+            if param.grad is None:
+                param.grad = part.to(param.dtype).clone()
+            else:
+                param.grad.copy_(part)
+
+    def _next_step(self) -> None:
+        self.step_index += 1
+        worker = self.worker
+        worker.step, worker.sent, worker.stats = self.step_index, set(), StepStats(step=self.step_index)
+        worker.gate.reset()
+        worker.backprop.pushing = True
+        self.calls = dict.fromkeys(self.params, 0)
+        self.posted = self.synchronized = False
+
+    def _close(self) -> None:
+        """Tell the servers this worker is done; a colocated rank serves on until every rank is."""
+        self.worker.stop()  # removes the worker's own hooks
+        for handle in self._hooks:
+            handle.remove()
+        if self.server is not None:
+            self.server.finish()
+
+
+class _Trainable(nn.Module):
+    """The trainable parameters of a model under their names (what the engines read of it)."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._named = params
+
+    def named_parameters(self, *args, **kwargs):  # type: ignore[override]
+        return iter(self._named.items())
+
+    def parameters(self, *args, **kwargs):  # type: ignore[override]
+        return iter(self._named.values())
+
+    def named_modules(self, *args, **kwargs):  # type: ignore[override]
+        return iter(())
+
+    def named_buffers(self, *args, **kwargs):  # type: ignore[override]
+        return iter(())
+
+    def buffers(self, *args, **kwargs):  # type: ignore[override]
+        return iter(())

@@ -1,0 +1,189 @@
+"""The job seen from your own training loop: ``init`` once on every rank, then who is who.
+
+``init(**settings)`` does, on every rank:
+1. The settings: keywords named like ``RunConfig``'s fields (``codec=``, ``feedback=``,
+   ``down_codec=``, ``topology=``, ``servers=``, ...), held to the command line's rules and
+   messages (``startup.prepare``: the ranks agree, or every rank raises).
+2. This rank's place: its layout under the topology (``ps`` or ``colocated``; the servers sum,
+   so ``mode`` is ``sync``).
+3. A serving-only rank (``--topology ps``) serves here: it learns the layer plan from the first
+   worker's ``DistributedOptimizer``, decodes and sums gradients until every worker called
+   ``shutdown`` (or exited), then ends its process with status 0. So one script runs unchanged
+   on every rank; code after ``init`` runs on the workers only.
+4. A worker returns. At exit (or ``shutdown()``) it tells the servers it is done and leaves MPI
+   together with the other ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.layout import RankLayout
+from ..comm.protocol import coded_cost, layer_tag, plan_layers
+from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
+from ..config import RunConfig
+from ..context import RunContext
+from ..startup import prepare
+
+TOPOLOGIES = ("ps", "colocated")
+"""The topologies whose servers can sum for your loop (a gossip rank has no server to sum)."""
+
+
+@dataclass
+class World:
+    """This process's view of the job once ``init`` ran."""
+
+    cfg: RunConfig
+    transport: Transport
+    layout: RankLayout
+    closers: list = field(default_factory=list)  # what shutdown ends first: the optimizers' traffic
+    optimizers: int = 0
+    done: bool = False
+
+
+_WORLD: World | None = None
+
+
+def init(**settings) -> None:
+    """Join the job (collective over every rank); see the module docstring."""
+    global _WORLD
+    if _WORLD is not None:
+        raise RuntimeError("psgrad.init() was called already in this process")
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(
+            f"psgrad.init: unknown setting(s) {', '.join(unknown)}: the names are RunConfig's (docs/cli.md)"
+        )
+    cfg = RunConfig(**{"progress": False, **settings})
+    if cfg.topology not in TOPOLOGIES:
+        raise ValueError(
+            f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
+        )
+    if cfg.mode != "sync":
+        raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
+    transport = Transport()
+    layout = prepare(cfg, transport=transport)
+    _WORLD = World(cfg=cfg, transport=transport, layout=layout)
+    if not layout.is_worker(transport.rank):
+        _serve(_WORLD)  # does not return
+    atexit.register(shutdown)
+    sys.excepthook = _end_job_on_error(sys.excepthook)
+
+
+def _end_job_on_error(previous):
+    """An uncaught exception on a worker ends the whole job once it is printed: the servers and
+    the other workers would otherwise wait for this worker's gradients for ever."""
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        abort_if_running(1)
+
+    return hook
+
+
+def world() -> World:
+    """The job this process joined (RuntimeError before ``init``)."""
+    if _WORLD is None:
+        raise RuntimeError("call psgrad.init(...) first, on every rank")
+    return _WORLD
+
+
+def rank() -> int:
+    """This process's MPI rank."""
+    return world().transport.rank
+
+
+def size() -> int:
+    """The job's MPI ranks, serving-only ranks included."""
+    return world().transport.size
+
+
+def num_workers() -> int:
+    """The ranks that train (every rank under ``colocated``, all but the servers under ``ps``)."""
+    return world().layout.num_workers
+
+
+def worker_index() -> int:
+    """This worker's index among the workers, 0..num_workers()-1: shard your data by it."""
+    w = world()
+    return w.layout.worker_index(w.transport.rank)
+
+
+def is_worker() -> bool:
+    """Whether this rank trains (after ``init``, always true: a serving-only rank never returns)."""
+    w = world()
+    return w.layout.is_worker(w.transport.rank)
+
+
+def shutdown() -> None:
+    """End this worker's part (idempotent; also run at exit): every optimizer tells the servers
+    it is done, a colocated rank serves until every other rank is, then all ranks leave MPI."""
+    w = _WORLD
+    if w is None or w.done:
+        return
+    w.done = True
+    for close in w.closers:
+        close()
+    finalize_together()  # the servers' finalize_and_exit holds the same barrier
+
+
+def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]]) -> list:
+    """The layers every rank agrees on, from the first worker's model (collective: the servers
+    take it from the broadcast; a worker whose model differs raises)."""
+    root = w.layout.worker_ranks[0]
+    sent = json.dumps(named_shapes).encode() if w.transport.rank == root else None
+    theirs = [(name, tuple(shape)) for name, shape in json.loads(w.transport.broadcast_bytes(sent, root=root))]
+    if w.layout.is_worker(w.transport.rank) and theirs != named_shapes:
+        raise RuntimeError(
+            f"rank {w.transport.rank}'s model differs from rank {root}'s (parameter names or shapes): "
+            "build the same model on every rank"
+        )
+    layers = plan_layers(
+        theirs,
+        granularity=w.cfg.granularity,
+        owners=w.layout.server_ranks,
+        bucket_vectors=w.cfg.bucket_vectors,
+        cost=coded_cost(w.cfg.codec),
+    )
+    w.transport.check_tag(layer_tag(len(layers)))
+    return layers
+
+
+def context(w: World, *, model: torch.nn.Module | None, layers: list, device: torch.device) -> RunContext:
+    """The context psgrad's engines run in, for a loop that is not psgrad's: the servers only
+    sum (``sums``), and there is no schedule, evaluation, checkpoint or data of psgrad's."""
+    return RunContext(
+        cfg=w.cfg,
+        transport=w.transport,
+        layout=w.layout,
+        model=model,
+        layers=layers,
+        loss_fn=F.cross_entropy,
+        label="your loop",
+        steps_per_epoch=1,
+        total=2**62,
+        start=0,
+        device=device,
+        evaluations=None,
+        checkpoints=None,
+        sums=True,
+    )
+
+
+def _serve(w: World) -> None:
+    """A serving-only rank: the layer plan, then sum until every worker stopped; then leave."""
+    from ..engine.serving import SyncServer
+
+    layers = layer_plan(w, [])
+    server = SyncServer(context(w, model=None, layers=layers, device=torch.device("cpu")))
+    server.start()
+    server.finish()
+    finalize_and_exit(0)

@@ -1,0 +1,201 @@
+"""Your own loop under psgrad, checked on every worker against what it must equal.
+
+Usage: mpiexec -n N python userloop.py OUT SCENARIO TOPOLOGY CODEC [FEEDBACK] [DOWN_CODEC]
+
+Scenario ``train``:
+
+1. A small CNN and SGD with momentum, trained for STEPS steps by a plain torch loop with
+   ``psgrad.DistributedOptimizer``; each worker takes its own batch of each step.
+2. The same steps in one process without psgrad: each worker's batch's gradient, their mean,
+   the same SGD (``reference``). With codec ``none`` the two must agree to float tolerance.
+3. A checkpoint round trip at step CUT: the model and optimizer go back to what they saved there
+   (``state_dict`` / ``load_state_dict``) and train the remaining steps again; they must end
+   where they ended the first time, bit for bit.
+4. torch DDP on gloo over the workers, same seed, data and SGD: with codec ``none`` psgrad must
+   equal it to float tolerance.
+Scenario ``accumulate``: two half batches a step (``backward_passes_per_step=2``) against the
+reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_norm_``, then
+``step()`` inside ``skip_synchronize()``, against the reference clipping the mean gradient.
+Scenario ``misuse``: each misuse must raise, and the loop go on after it.
+Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
+"""
+
+import copy
+import json
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import psgrad
+
+STEPS, CUT, BATCH = 12, 5, 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 10)
+    )
+
+
+def batch(worker: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(BATCH, 3, 8, 8, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model, opt, steps) -> None:
+    for step in steps:
+        opt.zero_grad()
+        images, labels = batch(psgrad.worker_index(), step)
+        F.cross_entropy(model(images), labels).backward()
+        opt.step()
+
+
+def reference(workers: int, clip: float = 0.0) -> nn.Module:
+    model = make_model()
+    opt = sgd(model)
+    for step in range(STEPS):
+        grads = []
+        for worker in range(workers):
+            model.zero_grad()
+            images, labels = batch(worker, step)
+            F.cross_entropy(model(images), labels).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads, strict=True):
+            p.grad = torch.stack(gs).mean(0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def largest_difference(a: nn.Module, b: nn.Module) -> float:
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ddp() -> nn.Module:
+    """The same training under torch DDP on gloo, among the workers only."""
+    import torch.distributed as dist
+
+    port = torch.tensor([_free_port() if psgrad.worker_index() == 0 else 0])
+    psgrad.broadcast_parameters({"port": port})  # the first worker's free port, to every worker
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{int(port)}",
+        rank=psgrad.worker_index(),
+        world_size=psgrad.num_workers(),
+    )
+    model = nn.parallel.DistributedDataParallel(make_model())
+    train(model, sgd(model), range(STEPS))
+    dist.barrier()  # no worker tears gloo down while the other still has an allreduce in flight
+    dist.destroy_process_group()
+    return model.module
+
+
+def scenario_train(model: nn.Module, opt) -> dict:
+    train(model, opt, range(CUT))
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
+    train(model, opt, range(CUT, STEPS))
+    first = [p.detach().clone() for p in model.parameters()]
+    result = {"reference": largest_difference(model, reference(psgrad.num_workers()))}
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, range(CUT, STEPS))
+    result["resumed"] = max(float((a - p.detach()).abs().max()) for a, p in zip(first, model.parameters(), strict=True))
+    result["ddp"] = largest_difference(model, ddp())
+    return result
+
+
+def scenario_accumulate(model: nn.Module, opt) -> dict:
+    for step in range(STEPS):
+        opt.zero_grad()
+        images, labels = batch(psgrad.worker_index(), step)
+        for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
+            (F.cross_entropy(model(images[half]), labels[half]) * 0.5).backward()
+        opt.step()
+    return {"reference": largest_difference(model, reference(psgrad.num_workers()))}
+
+
+def scenario_clip(model: nn.Module, opt) -> dict:
+    for step in range(STEPS):
+        opt.zero_grad()
+        images, labels = batch(psgrad.worker_index(), step)
+        F.cross_entropy(model(images), labels).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with opt.skip_synchronize():
+            opt.step()
+    return {"reference": largest_difference(model, reference(psgrad.num_workers(), clip=0.5))}
+
+
+def raised(action) -> str:
+    try:
+        action()
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def scenario_misuse(model: nn.Module, opt) -> dict:
+    images, labels = batch(psgrad.worker_index(), 0)
+
+    def backward() -> None:
+        F.cross_entropy(model(images), labels).backward()
+
+    result = {}
+    backward()
+    result["zero_grad"] = raised(opt.zero_grad)
+    result["second_backward"] = raised(backward)
+    opt.step()
+    backward()
+
+    def unsynchronized_step() -> None:
+        with opt.skip_synchronize():
+            opt.step()
+
+    result["skip_without_synchronize"] = raised(unsynchronized_step)
+    opt.step()
+    result["second_optimizer"] = raised(lambda: psgrad.DistributedOptimizer(sgd(model), model))
+    train(model, opt, range(1, 3))  # and the loop goes on
+    result["went_on"] = "yes"
+    return result
+
+
+def main() -> None:
+    out, scenario, topology, codec = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    feedback = sys.argv[5] if len(sys.argv) > 5 else "none"
+    down = sys.argv[6] if len(sys.argv) > 6 else "none"
+    psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down)
+    # only workers get here
+    model = make_model()
+    passes = 2 if scenario == "accumulate" else 1
+    opt = psgrad.DistributedOptimizer(sgd(model), model, backward_passes_per_step=passes)
+    psgrad.broadcast_parameters(model.state_dict())
+    out.mkdir(parents=True, exist_ok=True)
+    if scenario == "train":
+        result = scenario_train(model, opt)
+    elif scenario == "accumulate":
+        result = scenario_accumulate(model, opt)
+    elif scenario == "clip":
+        result = scenario_clip(model, opt)
+    else:
+        result = scenario_misuse(model, opt)
+    (out / f"rank{psgrad.rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

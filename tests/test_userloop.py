@@ -1,0 +1,67 @@
+"""psgrad in your own training loop (psgrad.userloop): every worker's result, under mpiexec.
+
+tests/mpi_scripts/userloop.py trains a small CNN with SGD and momentum through
+``psgrad.DistributedOptimizer`` and compares, on every worker, with the mean-gradient SGD written
+out in one process, with torch DDP on gloo, and with itself resumed from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_script
+
+RANKS = {"ps": 3, "colocated": 2}  # ps: one server and two workers; colocated: two of both
+
+
+def _results(tmp_path, scenario: str, topology: str, *codec: str) -> list[dict]:
+    proc = run_script("userloop.py", str(tmp_path), scenario, topology, *codec, n=RANKS[topology], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = sorted(tmp_path.glob("rank*.json"))
+    assert len(found) == 2, (found, proc.stderr[-3000:])  # every worker wrote its result
+    return [json.loads(path.read_text()) for path in found]
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_with_codec_none_it_is_data_parallel_sgd_and_equals_ddp(tmp_path, topology):
+    """The mean of the workers' gradients, in worker order, then the user's SGD: equal to the
+    reference bit for bit, to DDP to float tolerance; a checkpoint round trip ends where the
+    uninterrupted run does."""
+    for result in _results(tmp_path, "train", topology, "none"):
+        assert result["reference"] == 0.0, result
+        assert result["ddp"] < 1e-5, result
+        assert result["resumed"] == 0.0, result
+
+
+@pytest.mark.parametrize(
+    "topology, codec",
+    [
+        ("colocated", ["sign:bucket=32", "ef", "qsgd:levels=16"]),  # worker and server-part memories
+        ("ps", ["topk:ratio=0.1", "ef"]),  # the workers' error feedback
+        ("ps", ["powersgd:rank=2"]),  # PowerSGD's rounds, error and Q on the workers
+    ],
+)
+def test_a_checkpoint_round_trip_resumes_compression_exactly(tmp_path, topology, codec):
+    for result in _results(tmp_path, "train", topology, *codec):
+        assert result["resumed"] == 0.0, result
+        assert 0.0 < result["reference"] < 0.2, result  # lossy, and still the same training
+
+
+def test_accumulated_half_batches_equal_the_whole_batch(tmp_path):
+    for result in _results(tmp_path, "accumulate", "colocated", "none"):
+        assert result["reference"] < 1e-6, result
+
+
+def test_clipping_between_synchronize_and_step_clips_the_mean_gradient(tmp_path):
+    for result in _results(tmp_path, "clip", "ps", "none"):
+        assert result["reference"] < 1e-6, result
+
+
+def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
+    for result in _results(tmp_path, "misuse", "colocated", "none"):
+        assert "before step() or synchronize()" in result["zero_grad"], result
+        assert "backward_passes_per_step=1" in result["second_backward"], result
+        assert "needs synchronize() first" in result["skip_without_synchronize"], result
+        assert "one DistributedOptimizer per process" in result["second_optimizer"], result
+        assert result["went_on"] == "yes"
