@@ -62,8 +62,8 @@ from ..comm.protocol import (
 )
 from ..comm.waiting import SERVER_PATIENCE, Patience
 from ..context import RunContext
-from ..metrics import StepAggregator
 from ..optim import learning_rate
+from .collector import Collector
 
 _CONTROL_BYTES = 4096
 VALUES_LAYER = "__values__"
@@ -119,11 +119,11 @@ class ServerBase:
         # what a worker on this rank gets back (colocated): layer index -> the reply message
         self.local_replies: dict[int, Message] = {}
         # the metrics rank's outputs, read by the role: rows, averaged buffers and other servers' values by step
-        self.aggregator = StepAggregator(self.num_workers) if self.rank == self.metrics_rank else None
-        self.rows: list[dict] = []
-        self.eval_buffers: dict[int, torch.Tensor] = {}
-        self.peer_values: dict[int, dict[int, torch.Tensor]] = {}
-        self._buffer_acc: dict[int, list] = {}
+        self.collector = (
+            Collector(workers=self.num_workers, buffers_size=self.buffers_size, layers=self.layers)
+            if self.rank == self.metrics_rank
+            else None
+        )
         # held by whoever drives this server: the rank's own worker, or the helper thread of
         # --serve-thread (a no-op lock where nothing else runs)
         self.lock: AbstractContextManager = nullcontext()
@@ -278,7 +278,7 @@ class ServerBase:
                 raise RuntimeError(
                     f"rank {handle.peer} sent {msg.kind} {msg.layer!r} of {msg.numel} values, expected its {numel} layer values"
                 )
-            self.peer_values.setdefault(msg.step, {})[handle.peer] = self.exact_codec.decode(msg).view(-1)
+            self.collector.on_values(handle.peer, msg)
             self.pending[handle.key] = self.transport.repost(handle)
         else:
             if self.on_control(handle.peer, msg):
@@ -287,9 +287,11 @@ class ServerBase:
     def on_control(self, worker: int, msg: Message) -> bool:
         """A control message from ``worker`` (over MPI or handed over on this rank); False after stop."""
         if msg.kind == "buffers":
-            self._on_buffers(worker, msg)
+            self.collector.on_buffers(worker, msg)
         elif msg.meta.get("op") == "stats":
-            self._on_stats({"step": msg.step, **{k: v for k, v in msg.meta.items() if k != "op"}})
+            if self.collector is not None:
+                record = {"step": msg.step, **{k: v for k, v in msg.meta.items() if k != "op"}}
+                self.collector.on_stats(record, lr_of=self._lr, times=self.times)
         elif msg.meta.get("op") == "stop":
             self._on_stop(worker)
             return False
@@ -320,8 +322,7 @@ class ServerBase:
         if skip_update(grad, what, self.cfg.on_nonfinite, skip):
             return
         start = time.perf_counter()
-        lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
-        self.optimizer.step(layer.name, self.values[layer.index], grad, lr)
+        self.optimizer.step(layer.name, self.values[layer.index], grad, self._lr(step))
         self.times["apply"] += time.perf_counter() - start
 
     def _on_stop(self, worker: int) -> None:
@@ -331,29 +332,8 @@ class ServerBase:
                 handle.cancel()
                 del self.pending[key]
 
-    def _on_stats(self, record: dict) -> None:
-        row = self.aggregator.add(record) if self.aggregator else None
-        if row is not None:
-            row["lr"] = learning_rate(self.cfg, row["step"], self.ctx.steps_per_epoch, self.num_workers)
-            row["server_decode"], row["server_apply"], row["server_idle"] = (
-                self.times["decode"],
-                self.times["apply"],
-                self.times["idle"],
-            )
-            row["server_cpu"] = time.process_time()  # this process's CPU seconds so far
-            self.rows.append(row)
-
-    def _on_buffers(self, worker: int, msg: Message) -> None:
-        if msg.kind != "buffers" or msg.numel != self.buffers_size:
-            raise RuntimeError(
-                f"rank {worker} sent {msg.kind} of {msg.numel} values, expected buffers of {self.buffers_size}"
-            )
-        entry = self._buffer_acc.setdefault(msg.step, [torch.zeros(self.buffers_size), 0])
-        self.exact_codec.decode_add(msg, entry[0], alpha=1.0 / self.num_workers)
-        entry[1] += 1
-        if entry[1] == self.num_workers:
-            del self._buffer_acc[msg.step]
-            self.eval_buffers[msg.step] = entry[0]
+    def _lr(self, step: int) -> float:
+        return learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
 
     def has_completed(self, step: int) -> bool:
         """Whether every layer this rank owns was updated with ``step``'s gradients."""
@@ -363,28 +343,18 @@ class ServerBase:
         """On the metrics rank: serve until every worker's BatchNorm buffers of ``step`` and every
         other server's values are in; return the averaged buffers."""
         others = len(self.other_servers)
-        self.serve_until(lambda: step in self.eval_buffers and len(self.peer_values.get(step, {})) == others, patience)
-        return self.eval_buffers.pop(step)
+        self.serve_until(lambda: self.collector.ready(step, servers=others), patience)
+        return self.collector.eval_buffers.pop(step)
 
     def load_model(self, model: nn.Module, step: int | None = None) -> None:
         """Copy the model's values into ``model``: this rank's layers, and the other servers' sent for ``step``."""
         params = dict(model.named_parameters())
-        for index, flat in self.model_values(step).items():
+        own = {layer.index: self.values[layer.index] for layer in self.owned}
+        for index, flat in self.collector.model_values(own, step).items():
             copy_flat_into(params, self.layers[index].params, flat)
 
-    def model_values(self, step: int | None = None) -> dict[int, torch.Tensor]:
-        """Flat values by layer index: this rank's own, and the other servers' sent for ``step``."""
-        flat_of = {layer.index: self.values[layer.index] for layer in self.owned}
-        for owner, flat in self.peer_values.pop(step, {}).items():
-            offset = 0
-            for layer in (layer for layer in self.layers if layer.owner == owner):
-                flat_of[layer.index] = flat[offset : offset + layer.numel]
-                offset += layer.numel
-        return flat_of
-
     def take_rows(self) -> list[dict]:
-        rows, self.rows = self.rows, []
-        return rows
+        return self.collector.take_rows() if self.collector is not None else []
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -51,13 +51,13 @@ from ..comm.protocol import (
 from ..comm.waiting import Patience
 from ..context import RunContext
 from ..feedback import NoFeedback
-from ..optim import learning_rate
 from .clock import StepClock
 from .replies import apply_values, reply_bounds
+from .rounds import Rounds
 from .server import BUFFERS_LAYER, ServerBase
 
 
-class Worker:
+class Worker(Rounds):
     """Trains ``ctx.model`` through the servers; see the module docstring."""
 
     def __init__(
@@ -173,34 +173,6 @@ class Worker:
         self.parse_seconds = time.perf_counter() - start
         return msg
 
-    def advance_rounds(self, only: int | None = None) -> bool:
-        """Answer the servers' replies of open rounds with the next round's message; blocking for
-        layer ``only`` (the forward needs it), otherwise only what arrived. True if any did."""
-        if self._advancing:
-            return False
-        self._advancing, worked = True, False
-        try:
-            for index in [only] if only is not None else list(self.awaiting):
-                reply = self._receive(index, block=only is not None)
-                if reply is None:
-                    continue
-                start = time.perf_counter()
-                worked, layer, round_ = True, self.layers[index], self.awaiting.pop(index)
-                self._check_reply(layer, reply, ("code",), round_)
-                payload = self.feedback.advance(layer.name, layer.shape, round_, reply.arrays)
-                msg = Envelope("grad", layer.name, self.pull_step - 1, self.rank).seal(payload)
-                if round_ + 1 < self.rounds[index]:
-                    self.awaiting[index] = round_ + 1
-                if self.pulls[index] is not None:
-                    self.pulls[index] = self.transport.irecv(
-                        self.bounds[index], layer.owner, layer_tag(index), key=index, buffer=self.buffers[index]
-                    )
-                self.stats.encode += time.perf_counter() - start
-                self._send(layer, msg)
-        finally:
-            self._advancing = False
-        return worked
-
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
             self.serve()
@@ -244,26 +216,6 @@ class Worker:
         apply_values(
             msg, layer=layer, params=self.params, codecs=self.reply_codecs, device=self.device, stats=self.stats
         )
-
-    def _apply_code(self, layer: Layer, msg: Message, start: float) -> None:
-        """The last round's reply: the gradient every rank applies, with the same optimizer."""
-        self._check_reply(layer, msg, ("code",), self.rounds[layer.index])
-        applied, local = not msg.meta.get("skip"), self._is_local(layer.owner)
-        grad = self.feedback.finish(layer.name, msg.arrays, applied, gradient=not local or self.ctx.sums)
-        mid = time.perf_counter()
-        if self.ctx.sums:
-            self.on_mean(layer, grad, applied)
-        elif applied:
-            param = self.params[layer.params[0]].detach().view(-1)
-            with torch.no_grad():
-                if local:  # this rank's server part applied the same update to its copy: take its bits
-                    param.copy_(self.local.values[layer.index])
-                else:
-                    step = self.pull_step - 1
-                    lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
-                    self.optimizer.step(layer.name, param, grad, lr)
-        self.stats.decode += mid - start
-        self.stats.apply += time.perf_counter() - mid
 
     def finish_pulls(self) -> None:
         for index in list(self.pulls):
