@@ -443,3 +443,22 @@ def test_the_progress_bar_shows_the_rate_of_the_last_steps_not_of_one():
     assert "100.00 it/s" not in shown and "2.00 it/s" not in shown
     expected = 10 / (walls[-1] - walls[-11])
     assert f"{expected:.2f} it/s" in shown, shown
+
+
+def test_a_row_through_your_own_loop_is_a_row_option_of_its_own():
+    """``--api optimizer`` is taken out of the row before its train options are parsed, is
+    checked, and belongs to codec rows only."""
+    from psgrad.bench.launcher import BenchError, item_api, item_config, run_in_mpi
+    from psgrad.config import RunConfig
+
+    row = "powersgd:rank=8 --topology colocated --api optimizer"
+    assert item_api(row) == ("powersgd:rank=8 --topology colocated", "optimizer")
+    assert item_api("sign --feedback ef") == ("sign --feedback ef", "train")
+    head, cfg = item_config(row, RunConfig())
+    assert head == "powersgd:rank=8" and cfg.topology == "colocated"
+    with pytest.raises(BenchError, match="--api must be one of train, optimizer"):
+        item_api("none --api horovod")
+    with pytest.raises(BenchError, match="baseline"):
+        item_api("ddp --api optimizer")
+    with pytest.raises(BenchError, match="jobs of their own"):  # psgrad.init joins a job once per process
+        run_in_mpi(RunConfig(), [row], steps=1, warmup=0, repeat=1)

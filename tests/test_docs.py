@@ -2,6 +2,7 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 
 from psgrad.cli import main
 
@@ -74,19 +75,72 @@ def test_no_command_has_an_option_twice():
 
 
 def test_api_example_runs_as_written(tmp_path):
-    """docs/api.md's script, copied out of the page, trains under mpiexec -n 3 and learns."""
+    """docs/api.md's script of psgrad's own loop, copied out of the page, trains under mpiexec -n 3
+    and learns."""
     import re
     import sys
 
     from conftest import run_mpi
 
-    script = re.search(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S).group(1)
+    script = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S)[2]  # psgrad's own loop
     path = tmp_path / "my_train.py"
     path.write_text(script)
     out = run_mpi([sys.executable, str(path)], n=3, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     accuracy = float(re.search(r"final test accuracy ([0-9.]+)", out.stdout).group(1))
     assert accuracy > 0.3, out.stdout  # 10 classes: chance is 0.1
+
+
+def _own_loop_scripts() -> tuple[str, str]:
+    """docs/api.md's plain torch script and the same script under psgrad."""
+    import re
+
+    plain, ours, _ = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S)
+    return plain, ours
+
+
+def test_your_own_loop_gains_at_most_six_lines():
+    """The page's claim, counted: lines added to the plain script (its first line, the command
+    to run it, aside); the changed lines are counted apart."""
+    import difflib
+
+    plain, ours = (script.splitlines()[1:] for script in _own_loop_scripts())
+    ops = difflib.SequenceMatcher(a=plain, b=ours, autojunk=False).get_opcodes()
+    added = sum(j2 - j1 for op, i1, i2, j1, j2 in ops if op == "insert")
+    added += sum(max(0, (j2 - j1) - (i2 - i1)) for op, i1, i2, j1, j2 in ops if op == "replace")
+    assert added <= 6, ops
+    assert "four lines are added" in (DOCS / "api.md").read_text().lower() and added == 4
+
+
+@pytest.mark.parametrize("topology, ranks", [("colocated", 2), ("ps", 3)])
+def test_your_own_loop_runs_as_written(tmp_path, topology, ranks):
+    """The plain script runs with python, the psgrad one under mpiexec with either topology: every
+    worker finishes its epochs and saves a checkpoint that loads with weights_only=True."""
+    import sys
+
+    import torch
+    from conftest import run_bounded, run_mpi
+
+    plain, ours = _own_loop_scripts()
+    if topology == "colocated":  # the plain script once is enough
+        (tmp_path / "plain.py").write_text(plain)
+        out = run_bounded(
+            [sys.executable, "-c", f"import os; os.chdir({str(tmp_path)!r}); exec(open('plain.py').read())"], 180
+        )
+        assert out.returncode == 0 and "epoch 2: loss" in out.stdout, out.stderr[-2000:]
+    assert 'topology="colocated"' in ours
+    (tmp_path / "train.py").write_text(ours.replace('topology="colocated"', f'topology="{topology}"'))
+    out = run_mpi(
+        [sys.executable, "-c", f"import os; os.chdir({str(tmp_path)!r}); exec(open('train.py').read())"],
+        n=ranks,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("epoch 2: loss") == 2, out.stdout  # two workers either way
+    workers = [0, 1] if topology == "colocated" else [1, 2]  # rank 0 serves under ps
+    for rank in workers:
+        state = torch.load(tmp_path / f"ckpt-{rank}.pt", weights_only=True)
+        assert {"model", "opt", "sched"} <= set(state) and "psgrad" in state["opt"]
 
 
 README = DOCS.parent / "README.md"

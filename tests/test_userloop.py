@@ -58,6 +58,13 @@ def test_clipping_between_synchronize_and_step_clips_the_mean_gradient(tmp_path)
         assert result["reference"] < 1e-6, result
 
 
+def test_a_loss_scale_unscales_the_mean_gradient(tmp_path):
+    """GradScaler's recipe: synchronize, unscale_, then the scaler's step without a second sync.
+    Scales of a power of two divide away exactly."""
+    for result in _results(tmp_path, "scaler", "colocated", "none"):
+        assert result["reference"] < 1e-6, result
+
+
 def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
     for result in _results(tmp_path, "misuse", "colocated", "none"):
         assert "before step() or synchronize()" in result["zero_grad"], result

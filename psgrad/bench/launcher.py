@@ -77,13 +77,32 @@ def measure(rows: list[dict], warmup: int) -> dict:
 
 
 # ---------------------------------------------------------------------- one run (under MPI)
+API_CHOICES = ("train", "optimizer")
+"""How a codec row trains: ``train`` (psgrad's loop, the default) or ``optimizer`` (a plain torch
+loop with ``psgrad.DistributedOptimizer``, psgrad/bench/ownloop.py)."""
+
+
+def item_api(item: str) -> tuple[str, str]:
+    """The item without its ``--api X`` option, and X (``train`` when not given)."""
+    words = shlex.split(item)
+    if "--api" not in words:
+        return item, "train"
+    at = words.index("--api")
+    if at + 1 >= len(words) or words[at + 1] not in API_CHOICES:
+        raise BenchError(f"{item!r}: --api must be one of {', '.join(API_CHOICES)}")
+    if words[0] in BASELINES:
+        raise BenchError(f"{item!r}: --api is a codec row's option; {words[0]} is a baseline")
+    return shlex.join(words[:at] + words[at + 2 :]), words[at + 1]
+
+
 def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     """Split an item into its codec spec (or baseline name) and the run it needs.
 
     An item is a codec spec or baseline name, optionally followed by train options that hold for
-    that row only: ``topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01``.
+    that row only: ``topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01``; ``--api
+    optimizer`` trains the row through your own loop instead (``item_api``).
     """
-    head, *rest = shlex.split(item) or [""]
+    head, *rest = shlex.split(item_api(item)[0]) or [""]
     overrides = option_overrides(rest) if rest else {}
     if head not in BASELINES:
         overrides["codec"] = head
@@ -129,6 +148,13 @@ def run_item(
     its time to that test accuracy (``to_target``).
     """
     head, cfg = item_config(item, cfg)
+    if item_api(item)[1] == "optimizer":
+        if target:
+            raise BenchError(f"{item!r}: --api optimizer measures steps a second, not time to accuracy")
+        from .ownloop import own_loop_rows
+
+        rows = own_loop_rows(replace(cfg, progress=False, log_dir=None), steps=steps + warmup)
+        return measure(rows, warmup) if rows is not None else None
     if head in BASELINES:
         from .baselines import run_baseline
 
@@ -165,6 +191,9 @@ def run_in_mpi(
     cfg: RunConfig, specs: list[str], *, steps: int, warmup: int, repeat: int, target: float | None = None
 ) -> dict[str, list[dict]]:
     """Every rank of the current MPI job calls this; rank 0 gets {spec: [measurement per round]}."""
+    ours = [spec for spec in specs if item_api(spec)[1] == "optimizer"]
+    if ours:  # psgrad.init joins a job once per process
+        raise BenchError(f"{ours[0]!r}: --api optimizer rows need jobs of their own: run psgrad bench without mpiexec")
     results: dict[str, list[dict]] = {s: [] for s in specs}
     for _ in range(repeat):
         for spec in specs:

@@ -47,7 +47,8 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "bench_codecs",
     default="none;qsgd:levels=16 --down-codec qsgd:levels=16;powersgd:rank=8",
     help="Codec specs to compare, separated by ';' (none is the speed-up baseline); a spec may be followed by "
-    "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01'. "
+    "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01', and "
+    "by --api optimizer: the row trained by a plain torch loop with psgrad.DistributedOptimizer (docs/api.md). "
     "The default rows are the combinations at dense accuracy on the accuracy proxy and on a held-out real image set (docs/benchmarks.md).",
 )
 @click.option(

@@ -88,11 +88,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def shard(dataset: Any) -> torch.utils.data.Subset:
-    """This worker's part of ``dataset``: every ``num_workers()``-th sample from its index on
-    (``DistributedSampler(dataset, num_replicas=num_workers(), rank=worker_index())`` does the
-    same and shuffles per epoch)."""
+    """This worker's part of ``dataset``: every ``num_workers()``-th sample from its index on, and
+    as many samples on every worker (the last ``len % num_workers()`` are left out), so every
+    worker takes as many steps an epoch: a worker that stops early leaves the others waiting for
+    its gradients. ``DistributedSampler(dataset, num_replicas=num_workers(),
+    rank=worker_index(), drop_last=True)`` does the same and shuffles per epoch."""
     from torch.utils.data import Subset
 
     w = world()
     index, count = w.layout.worker_index(w.transport.rank), w.layout.num_workers
-    return Subset(dataset, range(index, len(dataset), count))
+    return Subset(dataset, range(index, len(dataset) // count * count, count))

@@ -29,12 +29,14 @@ from torch import nn
 from ..comm.protocol import Layer, StepStats
 from ..engine.serving import SyncServer
 from ..engine.worker import Worker
+from .broadcast import broadcast_parameters
 from .world import World, context, layer_plan, world
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """``optimizer`` stepping on the workers' mean gradient of ``model``'s trainable parameters
-    (see the module docstring). Build it on every worker, after ``psgrad.init``."""
+    (see the module docstring). Build it on every worker, after ``psgrad.init``: it copies the
+    first worker's parameters and buffers into every other worker's model."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, backward_passes_per_step: int = 1):
         # torch.optim.Optimizer.__init__ is not called: the groups and state are optimizer's own
@@ -72,6 +74,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks += [m.register_forward_pre_hook(self._serve) for m in model.modules()]
         w.closers.append(self._close)
         w.optimizers += 1
+        broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model
 
     # ------------------------------------------------------------------ what torch sees
     @property

@@ -123,16 +123,18 @@ def is_worker() -> bool:
     return w.layout.is_worker(w.transport.rank)
 
 
-def shutdown() -> None:
+def shutdown(*, leave_mpi: bool = True) -> None:
     """End this worker's part (idempotent; also run at exit): every optimizer tells the servers
-    it is done, a colocated rank serves until every other rank is, then all ranks leave MPI."""
+    it is done, a colocated rank serves until every other rank is, then all ranks leave MPI
+    together (``leave_mpi=False``: the caller leaves MPI itself, with every other rank)."""
     w = _WORLD
     if w is None or w.done:
         return
     w.done = True
     for close in w.closers:
         close()
-    finalize_together()  # the servers' finalize_and_exit holds the same barrier
+    if leave_mpi:
+        finalize_together()  # the servers' finalize_and_exit holds the same barrier
 
 
 def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]]) -> list:

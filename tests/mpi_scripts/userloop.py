@@ -16,7 +16,9 @@ Scenario ``train``:
 Scenario ``accumulate``: two half batches a step (``backward_passes_per_step=2``) against the
 reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_norm_``, then
 ``step()`` inside ``skip_synchronize()``, against the reference clipping the mean gradient.
-Scenario ``misuse``: each misuse must raise, and the loop go on after it.
+Scenario ``scaler``: a loss scale (``GradScaler``): ``synchronize()``, ``unscale_``, then the
+scaler's step inside ``skip_synchronize()``, against the reference. Scenario ``misuse``: each
+misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
 
@@ -142,6 +144,20 @@ def scenario_clip(model: nn.Module, opt) -> dict:
     return {"reference": largest_difference(model, reference(psgrad.num_workers(), clip=0.5))}
 
 
+def scenario_scaler(model: nn.Module, opt) -> dict:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(STEPS):
+        opt.zero_grad()
+        images, labels = batch(psgrad.worker_index(), step)
+        scaler.scale(F.cross_entropy(model(images), labels)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    return {"reference": largest_difference(model, reference(psgrad.num_workers()))}
+
+
 def raised(action) -> str:
     try:
         action()
@@ -192,6 +208,8 @@ def main() -> None:
         result = scenario_accumulate(model, opt)
     elif scenario == "clip":
         result = scenario_clip(model, opt)
+    elif scenario == "scaler":
+        result = scenario_scaler(model, opt)
     else:
         result = scenario_misuse(model, opt)
     (out / f"rank{psgrad.rank()}.json").write_text(json.dumps(result))
