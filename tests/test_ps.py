@@ -450,7 +450,7 @@ def _server(layers, rank: int = 0, servers: int = 1):
         model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
     ctx = SimpleNamespace(
         cfg=RunConfig(), transport=SimpleNamespace(rank=rank), rank=rank, layers=layers, model=model,
-        layout=RankLayout(2 + servers, servers), start=0, buffers_size=0, steps_per_epoch=10,
+        layout=RankLayout(2 + servers, servers), start=0, buffers_size=0, steps_per_epoch=10, sums=False,
         make_feedback=lambda: NoFeedback(make_codec("none")), make_optimizer=lambda: LayerOptimizer(),
     )  # fmt: skip
     return SyncServer(ctx)
