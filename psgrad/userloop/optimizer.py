@@ -69,9 +69,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)
         if self.server is not None:
             self.server.start()
-            # a colocated rank serves its shard between the other ranks' pushes: in every forward
-            # pre-hook, as well as in the backward hooks and the waits
-            self._hooks += [m.register_forward_pre_hook(self._serve) for m in model.modules()]
+            # a colocated rank serves its shard between the other ranks' pushes: in the forward
+            # pre-hook of every module with parameters (as psgrad train's worker does), as well as
+            # in the backward hooks and the waits
+            owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+            self._hooks += [m.register_forward_pre_hook(self._serve) for m in owners]
         w.closers.append(self._close)
         w.optimizers += 1
         broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model
