@@ -72,3 +72,4 @@ def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
         assert "needs synchronize() first" in result["skip_without_synchronize"], result
         assert "one DistributedOptimizer per process" in result["second_optimizer"], result
         assert result["went_on"] == "yes"
+        assert result["broadcast_lr"] == 0.123 and result["momentum_buffers"] == 6, result  # every worker

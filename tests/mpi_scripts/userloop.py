@@ -188,6 +188,11 @@ def scenario_misuse(model: nn.Module, opt) -> dict:
     result["second_optimizer"] = raised(lambda: psgrad.DistributedOptimizer(sgd(model), model))
     train(model, opt, range(1, 3))  # and the loop goes on
     result["went_on"] = "yes"
+    if psgrad.worker_index() == 0:  # the first worker's state reaches the others
+        opt.param_groups[0]["lr"] = 0.123
+    psgrad.broadcast_optimizer_state(opt.optimizer)
+    result["broadcast_lr"] = opt.param_groups[0]["lr"]
+    result["momentum_buffers"] = sum(1 for state in opt.state.values() if "momentum_buffer" in state)
     return result
 
 
