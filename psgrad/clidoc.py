@@ -10,9 +10,12 @@ ORDER = ("train", "server", "worker", "simulate", "bench", "codecs", "plot")
 
 
 def _default(param: click.Parameter) -> str:
-    if isinstance(param, click.Argument) or param.default is None or param.default == "":
+    default = param.default
+    if repr(default).startswith("Sentinel."):  # click's "no default given": a flag is then off
+        default = False if getattr(param, "is_flag", False) else None
+    if isinstance(param, click.Argument) or default is None or default == "":
         return ""
-    return str(param.default).replace("|", "\\|")
+    return str(default).replace("|", "\\|")
 
 
 def markdown() -> str:

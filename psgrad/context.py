@@ -219,6 +219,14 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
     note = accuracy_note(cfg)
     if note is not None:
         print(f"[psgrad] {note}", file=sys.stderr)
+    if layout.num_workers == 1 and servers and ctx.transport.separate_processes and ctx.transport.size > 1:
+        # mpiexec -n 2 under --topology ps: nothing runs in parallel, and nothing else says so
+        print(
+            f"[psgrad] note: {ctx.transport.size} ranks under --topology {cfg.topology} are {servers} server(s) and "
+            "1 worker: no data parallelism. --topology colocated makes every rank a worker that also serves its "
+            "shard; or start more ranks",
+            file=sys.stderr,
+        )
 
 
 def ranks_line(roles: list[str], pids: list[int]) -> str:

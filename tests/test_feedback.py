@@ -99,10 +99,12 @@ def test_error_feedback_memory_stays_bounded_only_for_contractive_codecs(spec, b
 def test_feedback_and_down_link_refuse_rescaling_codecs():
     from psgrad.config import RunConfig
 
-    with pytest.raises(ValueError, match="--feedback ef around randomk:ratio=0.01 diverges"):
+    with pytest.raises(ValueError, match="--feedback ef around randomk:ratio=0.01 diverges") as refused:
         RunConfig(codec="randomk:ratio=0.01", feedback="ef").validate()
-    with pytest.raises(ValueError, match="--down-codec randomk:ratio=0.01 diverges"):
+    assert "or randomk:ratio=0.01,shared=1" in str(refused.value)  # the variant that works is named
+    with pytest.raises(ValueError, match="--down-codec randomk:ratio=0.01 diverges") as refused:
         RunConfig(down_codec="randomk:ratio=0.01").validate()
+    assert "use randomk:ratio=0.01,shared=1" in str(refused.value)
     RunConfig(codec="randomk:ratio=0.01").validate()  # plain random-k (no memory) is fine
     RunConfig(codec="randomk:ratio=0.01,shared=1", feedback="ef", down_codec="randomk:ratio=0.01,shared=1").validate()
 

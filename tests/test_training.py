@@ -871,3 +871,17 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 45, f"the job took {elapsed:.0f} s to end: the workers waited for the watchdog"
     assert not {"rank0.pt", "rank0.pt.tmp"} & set(left), left  # (the workers' files may be cut short by the abort)
+
+
+def test_two_ranks_under_the_ps_topology_say_they_train_on_one_worker():
+    """mpiexec -n 2 with --topology ps is one server and one worker: no data parallelism, which
+    the start-up lines say, with the way out; colocated ranks are all workers and say nothing."""
+    options = ["--model", "mlp", "--dataset", "synthetic", "--steps", "2", "--no-progress", "--eval-every", "0"]
+    ps = run_mpi([sys.executable, "-m", "psgrad", "train", *options], n=2, timeout=120)
+    assert ps.returncode == 0, ps.stderr[-3000:]
+    assert "1 server(s) and 1 worker: no data parallelism" in ps.stderr and "--topology colocated" in ps.stderr
+    colocated = run_mpi(
+        [sys.executable, "-m", "psgrad", "train", *options, "--topology", "colocated"], n=2, timeout=120
+    )
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    assert "no data parallelism" not in colocated.stderr

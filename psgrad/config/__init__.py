@@ -16,6 +16,13 @@ from .placement import TopologySettings
 from .training import TrainingSettings
 
 
+def _shared(codec) -> str:
+    """The variant of random-k that error feedback suits, where the refused one is random-k."""
+    if codec.name != "randomk":
+        return ""
+    return f", or randomk:ratio={codec.params['ratio']},shared=1: every worker keeps the same coordinates, unscaled"
+
+
 def _need(ok: bool, text: str) -> None:
     if not ok:
         raise ValueError(text)
@@ -86,12 +93,13 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         _need(
             self.feedback == "none" or up.feedback_safe,
             f"--feedback {self.feedback} around {self.codec} diverges: the codec rescales the few values it keeps, "
-            "so the residual memory grows every step (use topk, threshold, sign or svd with feedback)",
+            f"so the residual memory grows every step (use topk, threshold, sign or svd with feedback{_shared(up)})",
         )
         _need(
             down.feedback_safe,
             f"--down-codec {self.down_codec} diverges: the down-link keeps what the codec did not send for later "
-            "steps (error feedback), which grows without bound for a codec that rescales the values it keeps",
+            f"steps (error feedback), which grows without bound for a codec that rescales the values it keeps"
+            f"{_shared(down).replace(', or', '; use')}",
         )
         if up.multi_round:
             _need(
