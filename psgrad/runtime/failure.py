@@ -4,15 +4,21 @@ ends with it (``end_on_failure``)."""
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import traceback
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
+from ..comm.protocol import NonFiniteError
 from ..comm.waiting import PeerFailure
 from ..metrics import say
 from ..startup import AgreementError
 from .signals import ignore_further_stops, stop_reason
+
+EXPECTED_STOPS = (checkpoint.CheckpointError, NonFiniteError)
+"""Errors whose one line says what happened and what to do (a checkpoint that does not fit, a
+gradient that is not finite): a traceback into autograd would only bury it."""
 
 if TYPE_CHECKING:  # the interfaces only
     from ..comm.channel import Channel
@@ -28,9 +34,10 @@ def end_on_failure(
        end quietly.
     2. Ctrl-C or SIGTERM: one line (where it stopped), rank 0 the checkpoint that resumes the
        run, further stops ignored, and the job aborted with the shell's status for the signal.
-    3. Any other error: one line; a full disk adds the resume hint, and an error other than a
-       checkpoint's its traceback; the job is aborted with status 1, the abort claimed unless a
-       dead peer's sentinel names it.
+    3. Any other error: one line; a full disk adds the resume hint, and an error other than an
+       expected stop (``EXPECTED_STOPS``, whose one line says what to do) its traceback, which
+       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with status 1, the abort
+       claimed unless a dead peer's sentinel names it.
     """
     if getattr(err, "reported_elsewhere", False):
         return
@@ -48,7 +55,7 @@ def end_on_failure(
     say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}")
     if _disk_full(err):  # the system's words say it all; what to resume from once there is room
         _say_resume_hint(transport.rank, log_dir)
-    elif not isinstance(err, checkpoint.CheckpointError):  # its one line says what to do
+    elif not isinstance(err, EXPECTED_STOPS) or os.environ.get("PSGRAD_DEBUG"):
         traceback.print_exc(file=sys.stderr)
     # a dead peer's sentinel names it, not this rank
     _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
