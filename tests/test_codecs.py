@@ -523,3 +523,20 @@ def test_powersgd_refuses_malformed_round_messages(meta, arrays, problem):
         codec.check(msg)
     with pytest.raises(wire.WireError):
         wire.loads(wire.dumps(msg))
+
+
+def test_psgrad_codecs_list_names_every_codec_by_a_spec_that_builds_it():
+    """``psgrad codecs --list`` answers "which names?" at once: one line a codec, its spec with
+    the default parameters first, and no measurement."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+    from psgrad.codecs import available_codecs, make_codec
+
+    done = CliRunner().invoke(main, ["codecs", "--list"])
+    assert done.exit_code == 0, done.output
+    specs = [line.split()[0] for line in done.output.splitlines()]
+    assert sorted(spec.split(":")[0] for spec in specs) == available_codecs()
+    for spec in specs:
+        make_codec(spec)
+    assert "GB/s" not in done.output

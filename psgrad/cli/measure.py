@@ -37,7 +37,29 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
         raise click.BadParameter(str(err)) from None
 
 
+def _list_codecs(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--list``: every codec's spec with its defaults and what it sends, then exit."""
+    if not value or ctx.resilient_parsing:
+        return
+    from ..codecs.base import _REGISTRY
+
+    for name, codec in sorted(_REGISTRY.items()):
+        values = {k: int(v) if isinstance(v, bool) else v for k, v in codec.defaults.items()}
+        spec = name + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
+        what = " ".join((codec.__doc__ or "").split("\n\n")[0].split()).replace("``", "")
+        click.echo(f"{spec:<44} {what.split('. ')[0].rstrip('.')}")
+    ctx.exit(0)
+
+
 @main.command()
+@click.option(
+    "--list",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_list_codecs,
+    help="Print every codec's spec with its default parameters and what it sends, then exit (no measurement).",
+)
 @click.option(
     "--sizes",
     default="256K,4M,16M",

@@ -43,7 +43,7 @@ class CodecSettings:
     codec: str = setting(
         "none",
         section=CODEC,
-        help="Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (see psgrad codecs).",
+        help="Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (every codec: psgrad codecs --list).",
     )
     down_codec: str = setting(
         "none",
