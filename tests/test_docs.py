@@ -181,6 +181,8 @@ def test_documented_psgrad_commands_parse_as_written():
         assert sub in main.commands, f"{name}: unknown command in {command!r}"
         try:
             main.commands[sub].make_context(sub, list(args), resilient_parsing=False)
+        except click.exceptions.Exit as done:  # an eager flag that answers and exits (--list)
+            assert done.exit_code == 0, f"{name}: {command!r} exits {done.exit_code}"
         except click.BadParameter as err:
             assert "does not exist" in str(err), f"{name}: {command!r}: {err}"
         except click.UsageError as err:
