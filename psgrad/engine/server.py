@@ -70,6 +70,11 @@ VALUES_LAYER = "__values__"
 BUFFERS_LAYER = "__buffers__"
 
 
+def _owned_values(model: nn.Module, owned: list[Layer]) -> dict[int, torch.Tensor]:
+    params = dict(model.named_parameters())
+    return {layer.index: layer_values(params, layer).cpu() for layer in owned}
+
+
 class ServerBase:
     """Serves the layers this rank owns; ``serve_until`` runs the loop, ``poll`` one round of it."""
 
@@ -80,8 +85,7 @@ class ServerBase:
         self.owned = [layer for layer in ctx.layers if layer.owner == self.rank]
         # owned layer index -> flat fp32 tensor: the authoritative copy (a summing server has none)
         self.sums = ctx.sums
-        params = {} if self.sums else dict(ctx.model.named_parameters())
-        self.values = {layer.index: layer_values(params, layer).cpu() for layer in self.owned if not self.sums}
+        self.values = {} if self.sums else _owned_values(ctx.model, self.owned)
         self.workers = ctx.layout.worker_ranks
         self.remote_workers = [w for w in self.workers if w != self.rank]
         self.num_workers = len(self.workers)
