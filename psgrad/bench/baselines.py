@@ -23,6 +23,7 @@ breakdown and bytes), so they land in the same table.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -219,6 +220,10 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
             evaluate=evaluate,
         )
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
+        # DDP's reducer must not be the group's last holder: freed by it, the group's destructor
+        # joins gloo's threads with the GIL held while one of them waits for the GIL (pytorch#56297)
+        del ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
     return (rows, evals) if rank == 0 else ([], [])

@@ -23,6 +23,7 @@ Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
 
 import copy
+import gc
 import json
 import socket
 import sys
@@ -103,9 +104,25 @@ def ddp() -> nn.Module:
     )
     model = nn.parallel.DistributedDataParallel(make_model())
     train(model, sgd(model), range(STEPS))
-    dist.barrier()  # no worker tears gloo down while the other still has an allreduce in flight
+    return leave_gloo(model)
+
+
+def leave_gloo(model: nn.parallel.DistributedDataParallel) -> nn.Module:
+    """The trained module, with gloo torn down in the one order that cannot deadlock.
+
+    DDP's reducer holds the process group. Freed last by the reducer, the group's destructor
+    joins gloo's threads with the GIL held, while a thread still finishing the last collective
+    waits for the GIL (pytorch#56297): both wait for ever. So the barrier (no worker tears gloo
+    down while the other has a collective in flight), then the reducer goes first, and the group
+    last, through ``destroy_process_group``, whose destructor lets the GIL go."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    module = model.module
+    del model
+    gc.collect()
     dist.destroy_process_group()
-    return model.module
+    return module
 
 
 def scenario_train(model: nn.Module, opt) -> dict:
