@@ -31,6 +31,7 @@ _HOMES = {
     "shutdown": "psgrad.userloop",
     "shard": "psgrad.userloop",
     "DistributedOptimizer": "psgrad.userloop",
+    "ddp_hook": "psgrad.ddpcomm",
     "broadcast_parameters": "psgrad.userloop",
     "broadcast_optimizer_state": "psgrad.userloop",
 }

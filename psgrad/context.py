@@ -34,7 +34,7 @@ from .comm.protocol import StepStats, buffers_vector, coded_cost, layer_tag, pla
 from .config import RunConfig
 from .devices import rank_device
 from .evaluation import Evaluations
-from .feedback import NoFeedback, make_feedback
+from .feedback import NoFeedback, feedback_for, make_feedback
 from .metrics import MetricsLog
 from .models import build_model, seeded_model
 from .optim import LayerOptimizer, OptimizerFn, TorchLayerOptimizer
@@ -178,18 +178,7 @@ class RunContext:
 
     def make_feedback(self) -> NoFeedback:
         """The worker-side memory around the codec, with every DGC option the run was given."""
-        cfg = self.cfg
-        options = (
-            {
-                "momentum": cfg.dgc_momentum,
-                "nesterov": cfg.nesterov,
-                "clip_norm": cfg.dgc_clip_norm,
-                "warmup_epochs": cfg.dgc_warmup_epochs,
-            }
-            if cfg.feedback == "dgc"
-            else {}
-        )
-        return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)
+        return feedback_for(self.cfg)
 
     def make_down_feedback(self) -> NoFeedback | None:
         """A summing server's memory around --down-codec (error feedback: what the coded mean

@@ -220,3 +220,19 @@ def make_feedback(kind: str, codec: Codec, **options: float) -> NoFeedback:
     if kind == "dgc":
         return DGCMemory(codec, **options)
     raise ValueError(f"unknown feedback {kind!r}; choose one of {', '.join(FEEDBACKS)}")
+
+
+def feedback_for(cfg) -> NoFeedback:
+    """The worker-side memory around ``cfg.codec``, with every DGC option ``cfg`` (a RunConfig)
+    gives: the one each worker of a run, and DDP's hook, encode through."""
+    options = (
+        {
+            "momentum": cfg.dgc_momentum,
+            "nesterov": cfg.nesterov,
+            "clip_norm": cfg.dgc_clip_norm,
+            "warmup_epochs": cfg.dgc_warmup_epochs,
+        }
+        if cfg.feedback == "dgc"
+        else {}
+    )
+    return make_feedback(cfg.feedback, make_codec(cfg.codec), **options)

@@ -31,12 +31,21 @@ def mpiexec() -> str:
     return found
 
 
-def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` with its output captured and no stdin; a hang fails the test at ``timeout``
-    instead of stalling CI. ``env`` is added to this process's environment (None values remove)."""
+def run_bounded(
+    cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (in ``cwd``) with its output captured and no stdin; a hang fails the test at
+    ``timeout`` instead of stalling CI. ``env`` is added to this process's environment (None
+    values remove)."""
     try:
         return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=_environment(env), stdin=subprocess.DEVNULL
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_environment(env),
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} hung for {timeout}s\n{err.stdout}\n{err.stderr}")

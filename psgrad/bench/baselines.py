@@ -221,7 +221,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         )
         dist.barrier()  # no rank tears gloo down while the other still has work in flight
         # DDP's reducer must not be the group's last holder: freed by it, the group's destructor
-        # joins gloo's threads with the GIL held while one of them waits for the GIL (pytorch#56297)
+        # joins gloo's threads with the GIL held while one of them waits for the GIL (a torch deadlock)
         del ddp
         gc.collect()
     finally:

@@ -135,6 +135,14 @@ class Codec:
         """True when some layer shapes take more than one round (``rounds``)."""
         return False
 
+    @property
+    def sums_in_code_space(self) -> bool:
+        """True when several senders' messages (each encoded with the same seed) can be summed
+        array by array and the sum decoded, instead of decoding each: fp32 dense values, shared
+        random-k, and a multi-round codec's rounds. DDP's hook all-reduces such messages and
+        all-gathers the others (``psgrad.ddpcomm``)."""
+        return self.multi_round
+
     # ---------------------------------------------------------------- contract
     def encode(self, grad: torch.Tensor, seed: int = 0) -> Message:
         """Encode ``grad`` (any shape, a floating dtype) into a Message; ``seed`` fixes all randomness."""

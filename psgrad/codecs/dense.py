@@ -20,6 +20,10 @@ class NoneCodec(Codec):
     def unbiased(self) -> bool:
         return True
 
+    @property
+    def sums_in_code_space(self) -> bool:
+        return True
+
     def _encode(self, flat, shape, seed):
         return {"values": flat.clone()}  # a Message never aliases the caller's tensor
 

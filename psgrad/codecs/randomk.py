@@ -51,6 +51,10 @@ class RandomKCodec(Codec):
     def shares_randomness(self) -> bool:
         return bool(self.params["shared"])
 
+    @property
+    def sums_in_code_space(self) -> bool:
+        return bool(self.params["shared"])  # the same coordinates on every sender: values add up
+
     def k_for(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(float(self.params["ratio"]) * numel))) if numel else 0
 

@@ -13,7 +13,9 @@ Scenario ``train``:
    where they ended the first time, bit for bit.
 4. torch DDP on gloo over the workers, same seed, data and SGD: with codec ``none`` psgrad must
    equal it to float tolerance.
-Scenario ``accumulate``: two half batches a step (``backward_passes_per_step=2``) against the
+Scenario ``hook``: the same training through torch DDP with ``psgrad.ddp_hook`` of the same
+codec and feedback must equal psgrad's (the servers' sum of the same messages). Scenario
+``accumulate``: two half batches a step (``backward_passes_per_step=2``) against the
 reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_norm_``, then
 ``step()`` inside ``skip_synchronize()``, against the reference clipping the mean gradient.
 Scenario ``scaler``: a loss scale (``GradScaler``): ``synchronize()``, ``unscale_``, then the
@@ -90,8 +92,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def ddp() -> nn.Module:
-    """The same training under torch DDP on gloo, among the workers only."""
+def ddp(hook=None) -> nn.Module:
+    """The same training under torch DDP on gloo, among the workers only (with ``hook``: DDP's
+    communication through it)."""
     import torch.distributed as dist
 
     port = torch.tensor([_free_port() if psgrad.worker_index() == 0 else 0])
@@ -103,6 +106,8 @@ def ddp() -> nn.Module:
         world_size=psgrad.num_workers(),
     )
     model = nn.parallel.DistributedDataParallel(make_model())
+    if hook is not None:
+        model.register_comm_hook(model, hook)
     train(model, sgd(model), range(STEPS))
     return leave_gloo(model)
 
@@ -137,6 +142,12 @@ def scenario_train(model: nn.Module, opt) -> dict:
     result["resumed"] = max(float((a - p.detach()).abs().max()) for a, p in zip(first, model.parameters(), strict=True))
     result["ddp"] = largest_difference(model, ddp())
     return result
+
+
+def scenario_hook(model: nn.Module, opt, codec: str, feedback: str) -> dict:
+    """psgrad's server path against DDP with ``psgrad.ddp_hook``: one codec, two doors."""
+    train(model, opt, range(STEPS))
+    return {"hook": largest_difference(model, ddp(psgrad.ddp_hook(codec, feedback=feedback)))}
 
 
 def scenario_accumulate(model: nn.Module, opt) -> dict:
@@ -226,6 +237,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if scenario == "train":
         result = scenario_train(model, opt)
+    elif scenario == "hook":
+        result = scenario_hook(model, opt, codec, feedback)
     elif scenario == "accumulate":
         result = scenario_accumulate(model, opt)
     elif scenario == "clip":

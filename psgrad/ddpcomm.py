@@ -1,0 +1,269 @@
+"""psgrad's codecs inside torch DDP: a communication hook, with no MPI and no server.
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(ddp, psgrad.ddp_hook("qsgd:levels=16", feedback="ef"))
+
+DDP calls the hook with each bucket of gradients once backward has filled it, and takes what the
+hook returns as the bucket's average over the ranks. Per bucket, on every rank:
+1. Each parameter's gradient is coded as a ``psgrad train`` worker codes it: feedback, then the
+   codec, with the same seeds (run seed, step, layer index, this rank's stream). A 1-D parameter
+   goes exact, as in ``psgrad train`` (``bucket_vectors``).
+2. Messages that sum in code space (``Codec.sums_in_code_space``: exact values, shared random-k,
+   PowerSGD's rounds) are summed by one all-reduce of their arrays, laid end to end. PowerSGD
+   takes two, as through its server: the P factors, then, once every rank has orthonormalized
+   their sum, the Q factors.
+3. Every other message travels as wire bytes (msgpack, never pickle): one all-gather of the sizes,
+   then one of the bytes. Each rank parses the others' messages (``wire.loads``, bounded by the
+   layer) and decodes all of them in rank order, as a server would.
+4. The sums, times 1 / world size, are written over the bucket, which the returned future holds.
+The step count goes up after DDP's last bucket of a backward pass. ``state_dict`` carries it and
+the feedback memories, so a checkpoint resumes compression exactly.
+
+The hook runs its collectives while DDP waits for it: a bucket's exchange does not overlap the
+rest of backward, as DDP's own all-reduce does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .codecs import Codec, Message, make_codec
+from .comm import wire
+from .comm.envelope import Envelope
+from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers
+from .config import RunConfig
+from .feedback import feedback_for
+
+SETTINGS = ("seed", "bucket_vectors", "on_nonfinite", "dgc_momentum", "nesterov", "dgc_clip_norm", "dgc_warmup_epochs")
+"""The ``RunConfig`` settings the hook takes besides the codec and feedback (docs/cli.md)."""
+
+
+def ddp_hook(
+    codec: str = "none",
+    *,
+    feedback: str = "none",
+    model: nn.Module | None = None,
+    group: Any = None,
+    **settings: Any,
+) -> DDPHook:
+    """A DDP communication hook that sends every gradient through ``codec`` (see the module).
+
+    ``model`` names the parameters (their names set the seeds and the checkpoint's keys); without
+    it, the hook takes them from its ``state`` when that is the model or the DDP wrapper:
+    ``ddp.register_comm_hook(ddp, hook)``. ``group``: DDP's process group, when not the default.
+    ``settings``: the run settings of ``SETTINGS``, as ``psgrad train`` takes them."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"psgrad.ddp_hook: no setting {', '.join(unknown)} (the hook takes {', '.join(SETTINGS)})")
+    cfg = RunConfig(codec=codec, feedback=feedback, progress=False, **settings)
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise ValueError(f"psgrad.ddp_hook: {err}") from None
+    return DDPHook(cfg, model=model, group=group)
+
+
+class DDPHook:
+    """The hook ``ddp_hook`` makes: call it as DDP does, ``hook(state, bucket)``."""
+
+    def __init__(self, cfg: RunConfig, *, model: nn.Module | None, group: Any) -> None:
+        self.cfg, self.model, self.group = cfg, model, group
+        self.feedback = feedback_for(cfg)
+        self.step = 0
+        self.layers: dict[int, Layer] | None = None  # id(parameter) -> its layer, from the first call
+        self.codecs: dict[str, Codec] = {}
+        self.__name__ = self.__qualname__ = "psgrad_ddp_hook"  # DDP logs a hook by its name
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The step and every feedback memory (error residuals, PowerSGD's error and Q)."""
+        return {"step": torch.tensor(self.step), **self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        self.step = int(state.pop("step"))
+        self.feedback.load_state_dict(state)
+
+    def set_epoch(self, epoch: int) -> None:
+        """For schedules that follow the epoch (``--feedback dgc``'s sparsity warm-up)."""
+        self.feedback.set_epoch(epoch)
+
+    # ------------------------------------------------------------------ the hook
+    # no annotations: DDP checks them, and this module's are strings (from __future__)
+    def __call__(self, state, bucket):
+        """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future."""
+        if self.layers is None:
+            self.layers = self._plan(self._named_model(state))
+        buffer, params = bucket.buffer(), bucket.parameters()
+        layers = self._layers_of(params)
+        parts = buffer.split([p.numel() for p in params])
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        step = self.step  # the steps done before this one, as a psgrad train worker numbers them
+        bad = self._nonfinite_ranks(parts, world=world, rank=rank)
+        if bad and self.cfg.on_nonfinite == "abort":
+            raise NonFiniteError(
+                f"step {step}: the gradient of rank {', '.join(map(str, bad))} holds NaN or Inf in DDP's bucket "
+                f"{bucket.index()} (lower the learning rate; under GradScaler, on_nonfinite='skip')"
+            )
+        if bad:
+            buffer.fill_(float("nan"))  # GradScaler sees it and skips the step; the memories stay
+        else:
+            msgs = [
+                encode_gradient(self.feedback, layer, part, step=step, sender=rank, stream=rank, run_seed=self.cfg.seed)
+                for layer, part in zip(layers, parts, strict=True)
+            ]
+            means = [torch.zeros(part.numel()) for part in parts]
+            summed = {i for i, msg in enumerate(msgs) if self._codec(msg).sums_in_code_space}
+            gathered = [i for i in range(len(msgs)) if i not in summed]
+            self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means, world=world)
+            if gathered:
+                self._gather_and_decode(gathered, msgs=msgs, layers=layers, means=means, step=step, world=world)
+            for part, mean in zip(parts, means, strict=True):
+                part.copy_(mean)
+        if bucket.is_last():
+            self.step = step + 1
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    def _layers_of(self, params: list[torch.Tensor]) -> list[Layer]:
+        assert self.layers is not None
+        try:
+            return [self.layers[id(p)] for p in params]
+        except KeyError:
+            raise RuntimeError("psgrad.ddp_hook: DDP's bucket holds a parameter the model did not name") from None
+
+    def _named_model(self, state: Any) -> nn.Module:
+        module = self.model if self.model is not None else state
+        module = getattr(module, "module", module)  # DDP wraps the model as .module
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                "psgrad.ddp_hook needs the model's parameter names: register it with the model as its state, "
+                "ddp.register_comm_hook(ddp, psgrad.ddp_hook(...)), or pass model=..."
+            )
+        return module
+
+    def _plan(self, module: nn.Module) -> dict[int, Layer]:
+        """psgrad train's layers of ``module`` (same indices, so the same seeds), one per parameter:
+        a member of the exact 1-D bucket becomes an exact layer of its own."""
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        shapes = {name: tuple(p.shape) for name, p in named}
+        plan = plan_layers(list(shapes.items()), granularity="layer", owners=1, bucket_vectors=self.cfg.bucket_vectors)
+        by_name: dict[str, Layer] = {}
+        for layer in plan:
+            for name in layer.params:
+                by_name[name] = dataclasses.replace(layer, name=name, shape=shapes[name], params=(name,))
+        return {id(p): by_name[name] for name, p in named}
+
+    def _codec(self, msg: Message) -> Codec:
+        key = f"{msg.codec}:{sorted(msg.params.items())}"
+        if key not in self.codecs:
+            self.codecs[key] = make_codec(msg.codec, **msg.params)
+        return self.codecs[key]
+
+    def _nonfinite_ranks(self, parts: Iterable[torch.Tensor], *, world: int, rank: int) -> list[int]:
+        """The ranks whose bucket holds NaN or Inf (one small all-reduce): every rank learns it at
+        once, so all of them stop or skip together instead of some waiting for ever."""
+        flags = torch.zeros(world)
+        flags[rank] = float(not all(bool(torch.isfinite(p.sum())) for p in parts))
+        dist.all_reduce(flags, group=self.group)
+        return [r for r in range(world) if flags[r] > 0]
+
+    # ------------------------------------------------------------------ sums in code space
+    def _sum_in_code_space(
+        self, pending: dict[int, Message], *, layers: list[Layer], means: list[torch.Tensor], world: int
+    ) -> None:
+        """Step 2 of the module: all-reduce the arrays; a round that is not the last answers the
+        reduced reply with the next round's message, which is summed in the next pass."""
+        while pending:
+            totals = self._all_reduce_arrays(pending)
+            following: dict[int, Message] = {}
+            for i, msg in pending.items():
+                codec, layer, round_ = self._codec(msg), layers[i], int(msg.meta.get("round", 0))
+                if round_ == 0:
+                    total = dataclasses.replace(msg, arrays=totals[i])
+                    codec.decode_add(total, means[i], alpha=1.0 / world)
+                    continue
+                reply = codec.reduce(round_, totals[i], world)
+                if round_ < codec.rounds(layer.shape):
+                    following[i] = self.feedback.advance(layer.name, layer.shape, round_, reply)
+                else:
+                    means[i] = self.feedback.finish(layer.name, reply)
+            pending = following
+
+    def _all_reduce_arrays(self, messages: dict[int, Message]) -> dict[int, dict[str, torch.Tensor]]:
+        order = [(i, name) for i, msg in sorted(messages.items()) for name in sorted(msg.arrays)]
+        arrays = [messages[i].arrays[name].float().reshape(-1) for i, name in order]
+        flat = torch.cat(arrays) if arrays else torch.zeros(0)
+        dist.all_reduce(flat, group=self.group)
+        totals: dict[int, dict[str, torch.Tensor]] = {i: {} for i in messages}
+        for (i, name), part in zip(order, flat.split([a.numel() for a in arrays]), strict=True):
+            totals[i][name] = part.view(messages[i].arrays[name].shape)
+        return totals
+
+    # ------------------------------------------------------------------ the others: gather, decode
+    def _gather_and_decode(
+        self,
+        gathered: list[int],
+        *,
+        msgs: list[Message],
+        layers: list[Layer],
+        means: list[torch.Tensor],
+        step: int,
+        world: int,
+    ) -> None:
+        """Step 3 of the module."""
+        mine = dist.get_rank(self.group)
+        blobs = self._all_gather_bytes(frame([wire.dumps(msgs[i]) for i in gathered]), world=world)
+        for sender, blob in enumerate(blobs):
+            pieces = unframe(blob, count=len(gathered))
+            for i, piece in zip(gathered, pieces, strict=True):
+                layer = layers[i]
+                if sender == mine:
+                    msg = msgs[i]  # the wire is lossless: parsing our own bytes would give it back
+                else:
+                    msg = wire.loads(piece, max_bytes=self._bound(layer), shape=layer.shape)
+                    Envelope("grad", layer.name, step, sender).check(msg, shape=layer.shape)
+                self._codec(msg).decode_add(msg, means[i], alpha=1.0 / world)
+
+    def _bound(self, layer: Layer) -> int:
+        specs = self.feedback.codec_specs() if layer.compress else {"none"}
+        return max(wire.max_message_bytes(spec, layer.shape, layer.name) for spec in specs)
+
+    def _all_gather_bytes(self, blob: bytes, *, world: int) -> list[bytes]:
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(theirs, mine, group=self.group)
+        return [t[: int(s)].numpy().tobytes() for t, s in zip(theirs, sizes, strict=True)]
+
+
+def frame(pieces: list[bytes]) -> bytes:
+    """``pieces`` end to end behind their count and lengths (little-endian uint64)."""
+    return np.array([len(pieces), *map(len, pieces)], dtype="<u8").tobytes() + b"".join(pieces)
+
+
+def unframe(blob: bytes, *, count: int) -> list[bytes]:
+    """The pieces ``frame`` joined; ``WireError`` unless ``blob`` holds exactly ``count`` of them."""
+    head = 8 * (count + 1)
+    if len(blob) < head:
+        raise wire.WireError(f"a bucket of {len(blob)} bytes is shorter than its {count} lengths")
+    lengths = np.frombuffer(blob[:head], dtype="<u8")
+    if int(lengths[0]) != count or head + sum(map(int, lengths[1:])) != len(blob):
+        raise wire.WireError(f"a bucket's framing does not hold {count} messages in {len(blob)} bytes")
+    pieces, start = [], head
+    for length in map(int, lengths[1:]):
+        pieces.append(blob[start : start + length])
+        start += length
+    return pieces

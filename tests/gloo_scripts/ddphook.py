@@ -1,0 +1,130 @@
+"""psgrad's codecs as a DDP communication hook, on gloo, without MPI.
+
+Usage: python ddphook.py OUT RANK WORLD SCENARIO [CODEC] [FEEDBACK]   (one process per rank; the
+ranks meet through a file store in OUT)
+
+Scenario ``dense``: the hook with codec CODEC against DDP without a hook, same seed and data; and
+against torch's own PowerSGD hook (``torch_powersgd``), both at a rank that makes the
+approximation exact. Scenario ``resume``: a checkpoint round trip mid-run (model, SGD and the
+hook's ``state_dict``) ends where the uninterrupted run does. Scenario ``nonfinite``: the last
+rank's gradient turns NaN at step 3; every rank must raise, none may wait.
+Each rank writes OUT/rank<r>.json.
+"""
+
+import copy
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+import psgrad
+
+STEPS, CUT, BATCH = 10, 4, 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 10)
+    )
+
+
+def batch(rank: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 3, 8, 8, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int = -1) -> None:
+    for step in steps:
+        opt.zero_grad()
+        images, labels = batch(dist.get_rank(), step)
+        if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
+            images = images * float("nan")
+        F.cross_entropy(model(images), labels).backward()
+        opt.step()
+
+
+def trained(hook=None, state=None, steps=range(STEPS)) -> nn.Module:
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    if hook is not None:
+        ddp.register_comm_hook(ddp if state is None else state, hook)
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), steps)
+    module = ddp.module
+    del ddp  # the reducer goes before the process group (see leave)
+    gc.collect()
+    return module
+
+
+def largest_difference(a: nn.Module, b: nn.Module) -> float:
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def scenario_dense(codec: str, feedback: str) -> dict:
+    plain = trained()
+    ours = trained(psgrad.ddp_hook(codec, feedback=feedback))
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=16, min_compression_rate=0, start_powerSGD_iter=2
+    )
+    theirs = trained(powerSGD_hook.powerSGD_hook, state=state)
+    return {"plain": largest_difference(ours, plain), "torch_powersgd": largest_difference(ours, theirs)}
+
+
+def scenario_resume(codec: str, feedback: str) -> dict:
+    hook = psgrad.ddp_hook(codec, feedback=feedback)
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    ddp.register_comm_hook(ddp, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    train(ddp, opt, range(CUT))
+    saved = copy.deepcopy({"model": ddp.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict()})
+    train(ddp, opt, range(CUT, STEPS))
+    first = [p.detach().clone() for p in ddp.parameters()]
+    ddp.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    hook.load_state_dict(saved["hook"])
+    train(ddp, opt, range(CUT, STEPS))
+    resumed = max(float((a - p.detach()).abs().max()) for a, p in zip(first, ddp.parameters(), strict=True))
+    memories = sum(1 for key in saved["hook"] if key != "step")
+    del ddp
+    gc.collect()
+    return {"resumed": resumed, "memories": memories, "steps_saved": int(saved["hook"]["step"])}
+
+
+def scenario_nonfinite(codec: str, feedback: str) -> dict:
+    try:
+        ddp = nn.parallel.DistributedDataParallel(make_model())
+        ddp.register_comm_hook(ddp, psgrad.ddp_hook(codec, feedback=feedback))
+        train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), range(STEPS), poison_at=3)
+    except RuntimeError as err:
+        return {"raised": str(err)}
+    return {"raised": ""}
+
+
+def main() -> None:
+    out, rank, world, scenario = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    codec = sys.argv[5] if len(sys.argv) > 5 else "none"
+    feedback = sys.argv[6] if len(sys.argv) > 6 else "none"
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world)
+    result = {"dense": scenario_dense, "resume": scenario_resume, "nonfinite": scenario_nonfinite}[scenario](
+        codec, feedback
+    )
+    result["mpi_started"] = "mpi4py.MPI" in sys.modules  # the hook needs no MPI
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    leave()
+
+
+def leave() -> None:
+    """The barrier (no rank tears gloo down while another has a collective in flight), then the
+    group. Every DDP reducer is gone by now: freed last by a reducer, the group's destructor
+    would join gloo's threads with the GIL held (pytorch#56297)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

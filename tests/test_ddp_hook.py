@@ -1,0 +1,120 @@
+"""psgrad's codecs as a torch DDP communication hook (psgrad.ddpcomm).
+
+On gloo without MPI (gloo_scripts/ddphook.py, one process per rank): equal to DDP and to torch's
+PowerSGD hook where the codec is exact, a checkpoint round trip, a NaN that stops every rank.
+Under mpiexec (mpi_scripts/userloop.py): bit for bit equal to psgrad's server path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_script
+
+import psgrad
+from psgrad.comm.wire import WireError
+from psgrad.ddpcomm import frame, unframe
+
+SCRIPT = Path(__file__).parent / "gloo_scripts" / "ddphook.py"
+WORLD = 2
+
+
+def _gloo(tmp_path: Path, scenario: str, *codec: str) -> list[dict]:
+    """Every rank of the gloo script, as separate processes; a rank still running after two
+    minutes fails the test (and every rank is killed)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(tmp_path), str(rank), str(WORLD), scenario, *codec],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(WORLD)
+    ]
+    try:
+        logs = [proc.communicate(timeout=120)[0] for proc in ranks]
+    finally:
+        for proc in ranks:
+            proc.kill()
+    for proc, log in zip(ranks, logs, strict=True):
+        assert proc.returncode == 0, log[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_codec_none_equals_ddp_without_a_hook_and_needs_no_mpi(tmp_path):
+    for result in _gloo(tmp_path, "dense", "none"):
+        assert result["plain"] == 0.0, result
+        assert result["mpi_started"] is False
+
+
+def test_exact_powersgd_equals_ddp_and_torchs_powersgd_hook(tmp_path):
+    """At a rank no smaller than any layer's matrix, one power iteration reproduces it: psgrad's
+    two all-reduced rounds and torch's hook both give DDP's mean gradient."""
+    for result in _gloo(tmp_path, "dense", "powersgd:rank=16,min_rate=0"):
+        assert result["plain"] < 1e-6, result
+        assert result["torch_powersgd"] < 1e-6, result
+
+
+@pytest.mark.parametrize("codec", [["qsgd:levels=16", "ef"], ["powersgd:rank=2"]])
+def test_a_checkpoint_round_trip_resumes_compression_exactly(tmp_path, codec):
+    for result in _gloo(tmp_path, "resume", *codec):
+        assert result["resumed"] == 0.0, result
+        assert result["memories"] >= 3 and result["steps_saved"] == 4, result  # a memory per coded layer
+
+
+def test_a_nonfinite_gradient_stops_every_rank(tmp_path):
+    for result in _gloo(tmp_path, "nonfinite", "sign:bucket=32", "ef"):
+        assert "the gradient of rank 1 holds NaN or Inf" in result["raised"], result
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        ["qsgd:levels=16", "ef"],  # all-gathered bytes, stochastic rounding from the same seeds
+        ["powersgd:rank=2"],  # two all-reduced rounds
+        ["randomk:ratio=0.1,shared=1", "ef"],  # all-reduced values on shared coordinates
+    ],
+)
+def test_the_hook_equals_psgrads_server_path_bit_for_bit(tmp_path, codec):
+    proc = run_script("userloop.py", str(tmp_path), "hook", "colocated", *codec, n=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    assert len(results) == 2 and all(result["hook"] == 0.0 for result in results), results
+
+
+def test_settings_are_held_to_the_command_lines_rules():
+    with pytest.raises(ValueError, match="keeps its own error feedback"):
+        psgrad.ddp_hook("powersgd:rank=2", feedback="ef")
+    with pytest.raises(ValueError, match="no setting lr"):
+        psgrad.ddp_hook("qsgd", lr=0.1)
+    with pytest.raises(ValueError, match="no parameter 'levls'"):
+        psgrad.ddp_hook("qsgd:levls=4")
+
+
+def test_a_hook_without_parameter_names_says_how_to_give_them():
+    hook = psgrad.ddp_hook("qsgd")
+    with pytest.raises(TypeError, match="register it with the model as its state"):
+        hook(None, None)
+
+
+def test_framing_round_trips_and_refuses_malformed_buckets():
+    pieces = [b"abc", b"", b"\x00" * 70]
+    assert unframe(frame(pieces), count=3) == pieces
+    blob = frame(pieces)
+    with pytest.raises(WireError):
+        unframe(blob, count=2)  # another layer count
+    with pytest.raises(WireError):
+        unframe(blob[:-1], count=3)  # cut short
+    with pytest.raises(WireError):
+        unframe(blob[:10], count=3)  # shorter than its lengths
+    huge = bytearray(blob)
+    huge[8:16] = (2**64 - 1).to_bytes(8, "little")  # a length that would wrap around
+    with pytest.raises(WireError):
+        unframe(bytes(huge), count=3)
