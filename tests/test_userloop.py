@@ -2,7 +2,8 @@
 
 tests/mpi_scripts/userloop.py trains a small CNN with SGD and momentum through
 ``psgrad.DistributedOptimizer`` and compares, on every worker, with the mean-gradient SGD written
-out in one process, with torch DDP on gloo, and with itself resumed from a checkpoint.
+out in one process, with torch DDP on gloo, with itself resumed from a checkpoint, and with
+psgrad's own loop (``psgrad.train.run``) on the same data.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ def test_a_checkpoint_round_trip_resumes_compression_exactly(tmp_path, topology,
     for result in _results(tmp_path, "train", topology, *codec):
         assert result["resumed"] == 0.0, result
         assert 0.0 < result["reference"] < 0.2, result  # lossy, and still the same training
+
+
+@pytest.mark.parametrize(
+    "topology, codec",
+    [
+        ("ps", ["qsgd:levels=16", "ef"]),  # a lossy codec inside the workers' error feedback
+        ("colocated", ["powersgd:rank=2"]),  # PowerSGD's rounds: the same gradient on every rank
+    ],
+)
+def test_your_loop_equals_psgrads_own_loop_bit_for_bit(tmp_path, topology, codec):
+    """One engine, two doors: psgrad train's servers apply SGD to the sum of the workers' coded
+    gradients; your loop gets that sum back and applies the same SGD on every worker."""
+    proc = run_script("userloop.py", str(tmp_path), "run", topology, *codec, n=RANKS[topology], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for result in _results(tmp_path, "against_run", topology, *codec):
+        assert result["run"] == 0.0, result
 
 
 def test_accumulated_half_batches_equal_the_whole_batch(tmp_path):

@@ -13,7 +13,11 @@ Scenario ``train``:
    where they ended the first time, bit for bit.
 4. torch DDP on gloo over the workers, same seed, data and SGD: with codec ``none`` psgrad must
    equal it to float tolerance.
-Scenario ``hook``: the same training through torch DDP with ``psgrad.ddp_hook`` of the same
+Scenario ``run``: the same training in psgrad's own loop (``psgrad.train.run``), each rank saving
+its parameters; scenario ``against_run`` trains your loop and compares with them, bit for bit.
+Scenario ``run``: the same training in psgrad's own loop (``psgrad.train.run``, its servers
+applying the same SGD), each rank saving its parameters; scenario ``against_run`` trains your loop
+and must end where that run ended, bit for bit. Scenario ``hook``: the same training through torch DDP with ``psgrad.ddp_hook`` of the same
 codec and feedback must equal psgrad's (the servers' sum of the same messages). Scenario
 ``accumulate``: two half batches a step (``backward_passes_per_step=2``) against the
 reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_norm_``, then
@@ -224,19 +228,58 @@ def scenario_misuse(model: nn.Module, opt) -> dict:
     return result
 
 
+class Batches:
+    """psgrad's own loop's loader: the same batches, ``batch(worker, step)``."""
+
+    def __init__(self, worker: int, workers: int) -> None:
+        self.worker, self.steps_per_epoch = worker, STEPS
+
+    def batch(self, step: int):
+        return batch(self.worker, step)
+
+
+def psgrad_train(out: Path, topology: str, codec: str, feedback: str) -> None:
+    """Scenario ``run``: the same training through psgrad's own loop (``psgrad.train.run``), the
+    servers applying the same SGD; each rank saves its parameters in OUT/run<rank>.pt."""
+    from psgrad.config import RunConfig
+    from psgrad.train import run
+
+    cfg = RunConfig(topology=topology, codec=codec, feedback=feedback, lr=0.1, steps=STEPS, progress=False)
+    result = run(
+        cfg,
+        model_fn=make_model,
+        loader_fn=Batches,
+        eval_data=[batch(0, 0)],
+        optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    )
+    torch.save(result.params, out / f"run{result.rank}.pt")  # a worker's copy, or a server's values
+
+
+def scenario_against_run(model: nn.Module, opt, out: Path) -> dict:
+    """Your loop against psgrad's own loop (scenario ``run``, saved in OUT/run<rank>.pt): the same
+    messages, the same sums, the same SGD, on the workers or on the servers."""
+    train(model, opt, range(STEPS))
+    theirs = torch.load(out / f"run{psgrad.rank()}.pt", weights_only=True)
+    return {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
+
+
 def main() -> None:
     out, scenario, topology, codec = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     feedback = sys.argv[5] if len(sys.argv) > 5 else "none"
     down = sys.argv[6] if len(sys.argv) > 6 else "none"
+    out.mkdir(parents=True, exist_ok=True)
+    if scenario == "run":
+        return psgrad_train(out, topology, codec, feedback)
     psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down)
     # only workers get here
     model = make_model()
     passes = 2 if scenario == "accumulate" else 1
     opt = psgrad.DistributedOptimizer(sgd(model), model, backward_passes_per_step=passes)
     psgrad.broadcast_parameters(model.state_dict())
-    out.mkdir(parents=True, exist_ok=True)
     if scenario == "train":
         result = scenario_train(model, opt)
+    elif scenario == "against_run":
+        result = scenario_against_run(model, opt, out)
     elif scenario == "hook":
         result = scenario_hook(model, opt, codec, feedback)
     elif scenario == "accumulate":
