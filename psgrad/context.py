@@ -171,8 +171,9 @@ class RunContext:
 
     def make_optimizer(self) -> LayerOptimizer | TorchLayerOptimizer:
         """The per-layer optimizer of the ranks that update: the API's ``optimizer_fn`` (any
-        torch.optim.Optimizer) if given, else --optimizer sgd|adam with the run's settings."""
-        if self.optimizer_fn is not None:
+        torch.optim.Optimizer) if given, else --optimizer sgd|adam with the run's settings; with
+        --local-steps the outer optimizer (``optimizer_fn`` is then the workers' inner one)."""
+        if self.optimizer_fn is not None and not self.cfg.local_steps:  # local steps: it is the workers'
             return TorchLayerOptimizer(self.optimizer_fn)
         return LayerOptimizer.from_config(self.cfg)
 

@@ -14,7 +14,7 @@ from .comm.protocol import TIME_KEYS
 
 METRIC_COLUMNS = [
     "step", "epoch", "loss", "it_per_s", "bytes_up", "bytes_down", "lr", *TIME_KEYS, "step_time",
-    "server_decode", "server_apply", "server_idle", "server_cpu", "nonfinite", "consensus", "wall",
+    "server_decode", "server_apply", "server_idle", "server_cpu", "nonfinite", "outer", "consensus", "wall",
 ]  # fmt: skip
 EVAL_COLUMNS = ["epoch", "step", "test_loss", "test_acc", "dataset", "eval_seconds", "paused_seconds"]
 
@@ -43,6 +43,7 @@ class StepAggregator:
         row["bytes_up"] = int(sum(p["bytes_up"] for p in parts))
         row["bytes_down"] = int(sum(p["bytes_down"] for p in parts))
         row["nonfinite"] = int(sum(p["nonfinite"] for p in parts))
+        row["outer"] = int(max(p.get("outer", 0) for p in parts))
         for key in (*TIME_KEYS, "step_time"):
             row[key] = sum(p[key] for p in parts) / len(parts)
         row["it_per_s"] = 1.0 / max(1e-9, now - self.last)

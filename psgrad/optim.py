@@ -41,6 +41,12 @@ class LayerOptimizer:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LayerOptimizer:
+        """The update of the ranks that update: ``--optimizer``, or with ``--local-steps`` the outer
+        optimizer (SGD on the averaged parameter change, no weight decay: the workers' own
+        optimizer applies it)."""
+        if cfg.local_steps:
+            nesterov = cfg.outer_optimizer == "nesterov"
+            return cls("sgd", momentum=cfg.outer_momentum, nesterov=nesterov)
         return cls(cfg.optimizer, momentum=cfg.momentum, nesterov=cfg.sgd_nesterov, weight_decay=cfg.weight_decay)
 
     def step(self, key: str, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
@@ -129,6 +135,12 @@ class TorchLayerOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizers, self._pending = {}, dict(state)
+
+
+def update_lr(cfg: RunConfig, step: int, steps_per_epoch: int, workers: int) -> float:
+    """The LR of the update the servers apply after ``step``: the schedule's (``learning_rate``),
+    or with ``--local-steps`` the outer optimizer's, ``--outer-lr``, constant."""
+    return cfg.outer_lr if cfg.local_steps else learning_rate(cfg, step, steps_per_epoch, workers)
 
 
 def learning_rate(cfg: RunConfig, step: int, steps_per_epoch: int, workers: int) -> float:

@@ -231,6 +231,9 @@ RESUME = {  # name: the config's options, and how many ranks train (each checks 
     "colocated-powersgd": (("topology=colocated", *POWERSGD), 3),
     "alltoall-powersgd": (("topology=alltoall", *POWERSGD), 3),
     "ring": (("topology=ring", "feedback=none"), 3),  # top-k gossip: the public copies must resume too
+    # local steps: the workers' inner optimizers and the servers' outer one must resume
+    "ps-local": (("local_steps=2", "inner_optimizer=adamw"), 2),
+    "colocated-local-powersgd": (("topology=colocated", "local_steps=4", *POWERSGD), 3),
 }
 
 

@@ -315,11 +315,12 @@ class StepStats:
     bytes_down: int = 0
     step_time: float = 0.0
     nonfinite: int = 0  # layers this worker sent as skipped (--on-nonfinite skip)
+    outer: int = 0  # 1: the step ended with an exchange of --local-steps (the outer optimizer's step)
 
 
 TIME_KEYS = tuple(
     f.name
     for f in fields(StepStats)
-    if f.name not in ("step", "loss", "bytes_up", "bytes_down", "step_time", "nonfinite")
+    if f.name not in ("step", "loss", "bytes_up", "bytes_down", "step_time", "nonfinite", "outer")
 )
 """The phases of a step, in order (the bench's breakdown columns)."""

@@ -56,6 +56,8 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         for name, why in topology.refuses.items():  # what this topology cannot run, away from the default
             _need(getattr(self, name) == getattr(_DEFAULTS, name), why)
         topology.check(self)
+        if self.local_steps:
+            self._check_local_steps()
         _need(
             self.batch_size >= self.accumulate,
             f"--accumulate {self.accumulate} splits each batch into micro-batches: --batch-size {self.batch_size} is smaller",
@@ -79,6 +81,31 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
             "--feedback dgc keeps momentum on the workers: set --momentum 0 for the server's SGD",
         )
         return self
+
+    def _check_local_steps(self) -> None:
+        """What ``--local-steps`` needs: servers that apply the outer optimizer to every worker's
+        change at once, and a checkpoint right after an exchange."""
+        h = self.local_steps
+        _need(
+            self.topology in ("ps", "colocated"),
+            f"--local-steps needs servers to apply the outer optimizer: --topology ps or colocated, not {self.topology}",
+        )
+        _need(self.mode == "sync", "--local-steps averages every worker's change before anyone goes on: --mode sync")
+        _need(
+            self.optimizer == "sgd",
+            "--local-steps: the servers apply --outer-optimizer, the workers --inner-optimizer; --optimizer has no part",
+        )
+        _need(self.feedback != "dgc", "--feedback dgc corrects per-step gradients; with --local-steps use ef or none")
+        _need(
+            self.outer_optimizer != "nesterov" or self.outer_momentum > 0,
+            "--outer-optimizer nesterov is a kind of momentum: it needs --outer-momentum > 0",
+        )
+        _need(self.amp != "fp16", "--local-steps with --amp fp16 would need a loss scale per worker: use --amp bf16")
+        _need(
+            self.checkpoint_every % h == 0,
+            f"--checkpoint-every {self.checkpoint_every} must be a multiple of --local-steps {h}: "
+            "a checkpoint is taken right after an exchange",
+        )
 
     def _check_codecs(self) -> None:
         """The codec specs parse; the rules that link the codecs to feedback, mode and granularity."""

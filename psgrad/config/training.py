@@ -19,6 +19,10 @@ def _multistep_only(flag: str) -> UnusedRule:
     )
 
 
+def _local_steps_only(flag: str) -> UnusedRule:
+    return unless(lambda cfg: cfg.local_steps > 0, flag + " shapes --local-steps: give --local-steps H")
+
+
 @dataclass
 class TrainingSettings:
     """The optimizer, its schedule, the batch and the length of the run."""
@@ -128,6 +132,43 @@ class TrainingSettings:
         section=TRAINING,
         low=0,
         help="Clip each worker's gradient to this L2 norm (over all its layers) before coding; 0: off. Needs the whole gradient, so layers are coded after backward, as with --push after.",
+    )
+    local_steps: int = setting(
+        0,
+        section=TRAINING,
+        low=0,
+        help="Local steps H (DiLoCo): each worker takes H steps with its own optimizer (--inner-optimizer, --lr and its schedule), then pushes the change of its parameters since the last exchange through the codec; the servers average it and apply the outer optimizer (--outer-optimizer). A step is still one batch. 0: off, a gradient every step.",
+    )
+    inner_optimizer: str = setting(
+        "sgd",
+        section=TRAINING,
+        choices=("sgd", "adamw"),
+        unused=(_local_steps_only("--inner-optimizer"),),
+        help="The workers' optimizer between exchanges (--local-steps): SGD with --momentum and --nesterov, or AdamW; both with --lr, its schedule and --weight-decay.",
+    )
+    outer_optimizer: str = setting(
+        "nesterov",
+        section=TRAINING,
+        choices=("nesterov", "sgd"),
+        unused=(_local_steps_only("--outer-optimizer"),),
+        help="The servers' optimizer of the averaged parameter change (--local-steps): SGD with Nesterov momentum (DiLoCo's), or plain SGD with momentum.",
+    )
+    outer_lr: float = setting(
+        0.7,
+        section=TRAINING,
+        low=0,
+        low_open=True,
+        unused=(_local_steps_only("--outer-lr"),),
+        help="The outer optimizer's learning rate (--local-steps; DiLoCo: 0.7). 1 with --outer-momentum 0: the average of the workers' parameters.",
+    )
+    outer_momentum: float = setting(
+        0.9,
+        section=TRAINING,
+        low=0,
+        high=1,
+        high_open=True,
+        unused=(_local_steps_only("--outer-momentum"),),
+        help="The outer optimizer's momentum (--local-steps; DiLoCo: 0.9).",
     )
     amp: str = setting(
         "off",

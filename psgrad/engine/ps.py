@@ -13,6 +13,7 @@ import torch
 
 from ..comm.protocol import load_buffers_vector
 from ..context import Role, RunContext
+from .local import exchange_of, exchanges_done
 from .serving import SERVERS
 from .worker import Worker
 
@@ -32,7 +33,8 @@ class ServerRole(Role):
         self.server.start()
 
     def step(self, step: int) -> list[dict]:
-        self.server.serve_until(lambda: self.server.has_completed(step))
+        exchange = exchanges_done(self.ctx.cfg, step, self.ctx.total)  # the step, without --local-steps
+        self.server.serve_until(lambda: self.server.has_completed(exchange))
         return self.server.take_rows()
 
     def evaluate(self, step: int) -> None:
@@ -77,7 +79,7 @@ class WorkerRole(Role):
         return self.worker.doing
 
     def start(self) -> None:
-        self.worker.post_pulls(self.ctx.start)
+        self.worker.post_pulls(exchange_of(self.ctx.cfg, self.ctx.start))
 
     def step(self, step: int) -> list[dict]:
         self.worker.run_step(step)

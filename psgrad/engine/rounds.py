@@ -17,7 +17,7 @@ import torch
 from ..codecs import Message
 from ..comm.envelope import Envelope
 from ..comm.protocol import Layer, layer_tag
-from ..optim import learning_rate
+from ..optim import update_lr
 
 
 class Rounds:
@@ -66,7 +66,7 @@ class Rounds:
                     param.copy_(self.local.values[layer.index])
                 else:
                     step = self.pull_step - 1
-                    lr = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
+                    lr = update_lr(self.cfg, step, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
                     self.optimizer.step(layer.name, param, grad, lr)
         self.stats.decode += mid - start
         self.stats.apply += time.perf_counter() - mid

@@ -62,8 +62,9 @@ from ..comm.protocol import (
 )
 from ..comm.waiting import SERVER_PATIENCE, Patience
 from ..context import RunContext
-from ..optim import learning_rate
+from ..optim import learning_rate, update_lr
 from .collector import Collector
+from .local import exchange_of
 
 _CONTROL_BYTES = 4096
 VALUES_LAYER = "__values__"
@@ -109,7 +110,8 @@ class ServerBase:
                     self.shadow[(layer.index, w)] = self.values[layer.index].clone()
         # value - shadow of each layer is formed here, not in a fresh allocation every step
         self.scratch = {i: torch.empty(v.numel()) for (i, _), v in self.shadow.items()}
-        self.layer_step = {layer.index: ctx.start for layer in self.owned}
+        first = exchange_of(ctx.cfg, ctx.start)  # the step itself, unless --local-steps counts exchanges
+        self.layer_step = {layer.index: first for layer in self.owned}
         self.active = set(self.workers)
         self.pending: dict[object, Handle] = {}
         self.sends: list[Handle] = []
@@ -117,7 +119,7 @@ class ServerBase:
         feedback = ctx.make_feedback()
         self.bounds = {layer.index: upload_bound(feedback, layer) for layer in self.owned}
         self.buffers_size = ctx.buffers_size
-        self.completed_step = ctx.start - 1
+        self.completed_step = first - 1
         self._phase: str | None = "starting"
         self.times = {"decode": 0.0, "apply": 0.0, "idle": 0.0}
         # what a worker on this rank gets back (colocated): layer index -> the reply message
@@ -295,7 +297,7 @@ class ServerBase:
         elif msg.meta.get("op") == "stats":
             if self.collector is not None:
                 record = {"step": msg.step, **{k: v for k, v in msg.meta.items() if k != "op"}}
-                self.collector.on_stats(record, lr_of=self._lr, times=self.times)
+                self.collector.on_stats(record, lr_of=self._schedule_lr, times=self.times)
         elif msg.meta.get("op") == "stop":
             self._on_stop(worker)
             return False
@@ -337,6 +339,11 @@ class ServerBase:
                 del self.pending[key]
 
     def _lr(self, step: int) -> float:
+        """The LR of the update after ``step`` (with --local-steps, the outer optimizer's)."""
+        return update_lr(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
+
+    def _schedule_lr(self, step: int) -> float:
+        """The schedule's LR at ``step``: the metrics rows' (with --local-steps, the workers')."""
         return learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
 
     def has_completed(self, step: int) -> bool:

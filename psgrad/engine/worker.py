@@ -52,12 +52,13 @@ from ..comm.waiting import Patience
 from ..context import RunContext
 from ..feedback import NoFeedback
 from .clock import StepClock
+from .local import LocalSteps
 from .replies import apply_values, reply_bounds
 from .rounds import Rounds
 from .server import BUFFERS_LAYER, ServerBase
 
 
-class Worker(Rounds):
+class Worker(Rounds, LocalSteps):
     """Trains ``ctx.model`` through the servers; see the module docstring."""
 
     def __init__(
@@ -106,7 +107,9 @@ class Worker(Rounds):
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
-        if self.cfg.granularity == "layer" and self.cfg.push == "backward" and self.backprop.hooks_may_send:
+        if self.cfg.local_steps:
+            self.start_local_steps()  # no hooks: a layer leaves at an exchange, not in backward
+        elif self.cfg.granularity == "layer" and self.cfg.push == "backward" and self.backprop.hooks_may_send:
             self._hooks += self.backprop.on_layer_gradients(
                 self.params, self.gate, lambda layer: self.push(layer, self.backprop.gradient(self.params, layer))
             )
@@ -276,6 +279,8 @@ class Worker(Rounds):
         return stats
 
     def train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        if self.cfg.local_steps:
+            return self.local_train_step(step, images, labels)
         self.step, self.sent, self.stats = step, set(), StepStats(step=step)
         self.gate.reset()
         clock = StepClock()
@@ -351,6 +356,7 @@ class Worker(Rounds):
             "rng": torch.get_rng_state(),
             "loss_scale": self.backprop.scale.state_dict(),
             **({"optim": self.optimizer.state_dict()} if self.optimizer is not None else {}),
+            **(self.local_state_dict() if self.cfg.local_steps else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -358,6 +364,8 @@ class Worker(Rounds):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state.get("optim", {}))
         load_buffers_vector(self.model, state["buffers"])
+        if self.cfg.local_steps:
+            self.load_local_state_dict(state)
         torch.set_rng_state(state["rng"])
         if "loss_scale" in state:  # checkpoints written before --amp have none
             self.backprop.scale.load_state_dict(state["loss_scale"])

@@ -66,6 +66,11 @@ def init(**settings) -> None:
         raise ValueError(
             f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
         )
+    if cfg.local_steps:
+        raise ValueError(
+            "psgrad.init: local_steps is psgrad train's (and psgrad.train.run's, whose optimizer_fn is then the "
+            "workers' inner optimizer); your own loop steps on the mean gradient every step"
+        )
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
     transport = Transport()

@@ -19,7 +19,7 @@ from psgrad.train import run
 
 
 def resume_equals_uninterrupted(base: str, *options: str) -> None:
-    extra = dict(item.split("=", 1) for item in options)
+    extra = {key: int(value) if value.isdigit() else value for key, value in (o.split("=", 1) for o in options)}
     kw = dict(
         model="resnet20",
         batch_size=8,

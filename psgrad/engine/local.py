@@ -1,0 +1,118 @@
+"""Local steps (``--local-steps H``, DiLoCo): the worker's side, mixed into ``Worker``.
+
+A step is one batch, as always. Per step on a worker:
+1. The first step after an exchange takes the servers' values (its forward's pulls) and keeps a
+   copy of them: theta_sync.
+2. Forward and backward of this worker's batch; its own inner optimizer (``--inner-optimizer``,
+   ``--lr`` and its schedule, ``--weight-decay``) steps on its own gradient. Nothing is sent.
+3. Every H-th step, and the run's last, ends with an exchange: per layer, in forward order, the
+   pseudo-gradient delta = theta_sync - theta goes through feedback and codec to the layer's
+   server, and the layer goes back to theta_sync. The servers average delta over the workers and
+   apply the outer optimizer (``--outer-optimizer``, ``--outer-lr``, ``--outer-momentum``); their
+   reply, taken in the next step's forward, is the new theta_sync (a multi-round codec's reply is
+   the update, applied here to theta_sync as the servers apply it).
+On the wire an exchange is numbered k = step // H, so the servers count exchanges, not batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.protocol import Layer, StepStats
+from ..config import RunConfig
+from ..optim import learning_rate
+from .clock import StepClock
+
+
+def exchange_of(cfg: RunConfig, step: int) -> int:
+    """The exchange that ``step``'s batch belongs to (every step is one without local steps)."""
+    return step // cfg.local_steps if cfg.local_steps else step
+
+
+def exchanges_after(cfg: RunConfig, step: int, total: int) -> bool:
+    """Whether ``step`` ends with an exchange: every step, or every H-th and the run's last."""
+    return not cfg.local_steps or (step + 1) % cfg.local_steps == 0 or step == total - 1
+
+
+def exchanges_done(cfg: RunConfig, step: int, total: int) -> int:
+    """The last exchange complete once ``step`` is done (-1 and below: none yet)."""
+    exchange = exchange_of(cfg, step)
+    return exchange if exchanges_after(cfg, step, total) else exchange - 1
+
+
+def inner_optimizer(cfg: RunConfig, params: list[torch.Tensor], optimizer_fn=None) -> torch.optim.Optimizer:
+    """The workers' own optimizer between exchanges: the API's ``optimizer_fn(params)``, or
+    ``--inner-optimizer`` (its LR is set from the schedule before every step)."""
+    if optimizer_fn is not None:
+        return optimizer_fn(params)
+    if cfg.inner_optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+    )
+
+
+class LocalSteps:
+    """The local-step methods of ``engine.worker.Worker`` (see the module docstring)."""
+
+    def start_local_steps(self) -> None:
+        trainable = [p for p in self.params.values() if p.requires_grad]
+        self.inner = inner_optimizer(self.cfg, trainable, self.ctx.optimizer_fn)
+        self.synced: dict[str, torch.Tensor] = {}
+
+    def local_train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        """Steps 1-3 of the module for one batch."""
+        exchange = exchange_of(self.cfg, step)
+        first = not self.synced
+        self.step, self.sent, self.stats = exchange, set(), StepStats(step=step)
+        clock = StepClock()
+        self.doing = f"step {step}: forward"
+
+        def after_first_forward() -> None:
+            if first:
+                self.finish_pulls()
+                self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+            clock.mark("forward_done")
+            self.doing = f"step {step}: backward"
+
+        loss = self.backprop.run(images, labels, after_first_forward, self._idle())
+        self.backprop.finish(self.params)
+        for group in self.inner.param_groups:
+            group["lr"] = learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.ctx.layout.num_workers)
+        self.inner.step()
+        self.backprop.end_step(False)
+        clock.mark("backward_done")
+        s = self.stats
+        if exchanges_after(self.cfg, step, self.ctx.total):
+            self.doing = f"step {step}: exchange {exchange}"
+            self.post_pulls(exchange + 1)
+            for layer in self.layers:
+                self.push(layer, self._change(layer))
+            self.synced = {}
+            while self.awaiting:
+                self.advance_rounds(only=next(iter(self.awaiting)))
+            self.transport.wait_all(self.sends, self._idle())
+            self.sends = []
+            s.outer = 1
+        clock.mark("exchanged")
+        clock.mark("end")
+        s.loss = loss
+        return clock.fill(
+            s, in_forward=s.pull_wait + s.decode + s.apply, in_backward=0.0, in_exchange=s.encode + s.serve, waited=0.0
+        )
+
+    def _change(self, layer: Layer) -> torch.Tensor:
+        """The layer's pseudo-gradient theta_sync - theta, flat; the layer goes back to theta_sync."""
+        parts = []
+        with torch.no_grad():
+            for name in layer.params:
+                param = self.params[name]
+                parts.append((self.synced[name] - param.detach()).reshape(-1))
+                param.copy_(self.synced[name])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def local_state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict()}
+
+    def load_local_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])

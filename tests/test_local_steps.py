@@ -1,0 +1,101 @@
+"""Local steps and an outer optimizer (``--local-steps H``, DiLoCo): psgrad.engine.local.
+
+Under mpiexec (several ``psgrad train`` runs in one job): one local step with outer SGD at lr 1
+and no momentum is today's synchronous step; with H > 1 only every H-th step exchanges, and the
+metrics say which. Resuming mid-run is in test_training's resume job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import metrics_rows, train_runs
+
+from psgrad.config import RunConfig
+from psgrad.engine.local import exchange_of, exchanges_after, exchanges_done
+
+BASE = ["--model", "mlp", "--dataset", "synthetic", "--steps", "12", "--lr", "0.05", "--no-progress"]
+ONE_STEP_IS_A_STEP = ["--local-steps", "1", "--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0"]
+
+
+@pytest.mark.parametrize("topology, ranks", [("ps", 3), ("colocated", 2)])
+def test_one_local_step_with_outer_sgd_at_lr_one_is_the_synchronous_step(tmp_path, topology, ranks):
+    """H = 1: the change theta_sync - theta of one SGD step is lr times the gradient; its average, applied at outer lr 1, is the per-step run's update. A lossy
+    codec with error feedback codes the change as it codes the gradient (a deterministic one: the
+    change is lr times the gradient only to float rounding, which would move a random codec's
+    draws)."""
+    # no weight decay: the workers' SGD puts it into the change, which the codec then codes, where
+    # the per-step run's servers add it after decoding (equal only for an exact codec)
+    base = [*BASE, "--topology", topology, "--momentum", "0", "--weight-decay", "0"]
+    runs = {}
+    for codec in (["--codec", "none"], ["--codec", "topk:ratio=0.1", "--feedback", "ef"]):
+        runs[f"step-{codec[1]}"] = [*base, *codec]
+        runs[f"local-{codec[1]}"] = [*base, *codec, *ONE_STEP_IS_A_STEP]
+    out = train_runs(tmp_path, runs, n=ranks, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for codec in ("none", "topk:ratio=0.1"):
+        ours = torch.load(tmp_path / f"local-{codec}" / "model.pt", weights_only=True)
+        theirs = torch.load(tmp_path / f"step-{codec}" / "model.pt", weights_only=True)
+        assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5, codec
+        rows = metrics_rows(tmp_path / f"local-{codec}")
+        assert all(row["outer"] == "1" for row in rows), rows[0]
+
+
+def test_only_every_hth_step_and_the_last_exchange(tmp_path):
+    """H = 4 over 10 steps: steps 3 and 7 and the last (9) exchange, and only they send; the
+    workers learn on their own in between."""
+    runs = {"local": [*BASE, "--steps", "10", "--local-steps", "4", "--codec", "qsgd:levels=16", "--feedback", "ef"]}
+    out = train_runs(tmp_path, runs, n=3, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics_rows(tmp_path / "local")
+    outer = [int(row["step"]) for row in rows if row["outer"] == "1"]
+    sending = [int(row["step"]) for row in rows if int(row["bytes_up"]) > 0]
+    assert outer == sending == [3, 7, 9], rows
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"]), [row["loss"] for row in rows]
+    assert "test accuracy" in out.stderr
+
+
+def test_exchanges_are_counted_on_the_wire_not_batches():
+    cfg = RunConfig(local_steps=4)
+    assert [exchange_of(cfg, s) for s in (0, 3, 4, 9)] == [0, 0, 1, 2]
+    assert [s for s in range(10) if exchanges_after(cfg, s, 10)] == [3, 7, 9]
+    assert [exchanges_done(cfg, s, 10) for s in (0, 3, 4, 8, 9)] == [-1, 0, 0, 1, 2]
+    plain = RunConfig()
+    assert exchange_of(plain, 7) == 7 and exchanges_after(plain, 7, 10) and exchanges_done(plain, 7, 10) == 7
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"topology": "alltoall"}, "needs servers to apply the outer optimizer"),
+        ({"mode": "async"}, "--mode sync"),
+        ({"feedback": "dgc"}, "use ef or none"),
+        ({"amp": "fp16", "on_nonfinite": "skip"}, "use --amp bf16"),
+        ({"checkpoint_every": 6}, "must be a multiple of --local-steps 4"),
+        ({"outer_momentum": 0.0}, "needs --outer-momentum > 0"),
+        ({"optimizer": "adam"}, "--optimizer has no part"),
+    ],
+)
+def test_settings_that_cannot_take_local_steps_say_why(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(local_steps=4, **settings).validate()
+
+
+def test_the_servers_apply_the_outer_optimizer_and_the_workers_their_own():
+    from psgrad.engine.local import inner_optimizer
+    from psgrad.optim import LayerOptimizer, update_lr
+
+    cfg = RunConfig(local_steps=4, outer_lr=0.5, outer_momentum=0.8, inner_optimizer="adamw", weight_decay=0.01)
+    outer = LayerOptimizer.from_config(cfg)
+    assert (outer.kind, outer.momentum, outer.nesterov, outer.weight_decay) == ("sgd", 0.8, True, 0.0)
+    assert update_lr(cfg, step=100, steps_per_epoch=10, workers=2) == 0.5  # constant, whatever the schedule
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(inner_optimizer(cfg, params), torch.optim.AdamW)
+    assert isinstance(inner_optimizer(cfg, params, lambda p: torch.optim.Adagrad(p)), torch.optim.Adagrad)
+
+
+def test_your_own_loop_says_where_local_steps_run():
+    import psgrad
+
+    with pytest.raises(ValueError, match="local_steps is psgrad train's"):
+        psgrad.init(local_steps=4)
