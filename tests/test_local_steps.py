@@ -55,6 +55,31 @@ def test_only_every_hth_step_and_the_last_exchange(tmp_path):
     assert "test accuracy" in out.stderr
 
 
+def test_an_overlapped_exchange_moves_by_the_servers_result_minus_the_workers_own(tmp_path):
+    """One worker, outer SGD at lr 1 and no momentum: the servers' result is the worker's own
+    parameters, so taking it late moves them by nothing, and the run is plain local SGD, as the
+    exchange that waits is (to rounding: theta_sync - (theta_sync - theta)). A reply applied
+    without the worker's progress since, or onto the wrong base, would differ at once."""
+    base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4", *ONE_STEP_IS_A_STEP[2:]]
+    runs = {"waits": base, "overlaps": [*base, "--overlap-exchange"], "per-step": [*BASE, "--momentum", "0"]}
+    out = train_runs(tmp_path, runs, n=2, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in runs}
+    for name in ("overlaps", "per-step"):
+        assert max(float((models[name][k] - models["waits"][k]).abs().max()) for k in models[name]) < 1e-5, name
+    two_workers = {
+        "overlap2": [*BASE, "--local-steps", "4", "--overlap-exchange"],
+        "wait2": [*BASE, "--local-steps", "4"],
+    }
+    out = train_runs(tmp_path, two_workers, n=3, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics_rows(tmp_path / "overlap2")
+    assert [int(row["step"]) for row in rows if row["outer"] == "1"] == [3, 7, 11]
+    ours = torch.load(tmp_path / "overlap2" / "model.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "wait2" / "model.pt", weights_only=True)
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) > 1e-4  # two workers: late is not the same
+
+
 def test_exchanges_are_counted_on_the_wire_not_batches():
     cfg = RunConfig(local_steps=4)
     assert [exchange_of(cfg, s) for s in (0, 3, 4, 9)] == [0, 0, 1, 2]

@@ -234,6 +234,8 @@ RESUME = {  # name: the config's options, and how many ranks train (each checks 
     # local steps: the workers' inner optimizers and the servers' outer one must resume
     "ps-local": (("local_steps=2", "inner_optimizer=adamw"), 2),
     "colocated-local-powersgd": (("topology=colocated", "local_steps=4", *POWERSGD), 3),
+    # overlapped: the exchange after step 1 and 5 runs on into the next steps; 3 and 7 wait
+    "ps-local-overlap": (("local_steps=2", "overlap_exchange=1", "codec=qsgd:levels=16"), 2),
 }
 
 

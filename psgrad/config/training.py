@@ -170,6 +170,12 @@ class TrainingSettings:
         unused=(_local_steps_only("--outer-momentum"),),
         help="The outer optimizer's momentum (--local-steps; DiLoCo: 0.9).",
     )
+    overlap_exchange: bool = setting(
+        False,
+        section=TRAINING,
+        unused=(_local_steps_only("--overlap-exchange"),),
+        help="With --local-steps: an exchange does not wait; the workers train on while their change travels and the servers update, and take the reply at the next exchange, moved by the progress made meanwhile (one outer step late, as eager and streaming DiLoCo). The exchange before a checkpoint and the last one wait.",
+    )
     amp: str = setting(
         "off",
         section=TRAINING,

@@ -58,7 +58,7 @@ class LocalSteps:
     def start_local_steps(self) -> None:
         trainable = [p for p in self.params.values() if p.requires_grad]
         self.inner = inner_optimizer(self.cfg, trainable, self.ctx.optimizer_fn)
-        self.synced: dict[str, torch.Tensor] = {}
+        self.synced: dict[str, torch.Tensor] = {}  # theta_sync; empty: take the servers' reply first
 
     def local_train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """Steps 1-3 of the module for one batch."""
@@ -85,14 +85,7 @@ class LocalSteps:
         s = self.stats
         if exchanges_after(self.cfg, step, self.ctx.total):
             self.doing = f"step {step}: exchange {exchange}"
-            self.post_pulls(exchange + 1)
-            for layer in self.layers:
-                self.push(layer, self._change(layer))
-            self.synced = {}
-            while self.awaiting:
-                self.advance_rounds(only=next(iter(self.awaiting)))
-            self.transport.wait_all(self.sends, self._idle())
-            self.sends = []
+            self._exchange(exchange, overlapped=self._overlaps(step))
             s.outer = 1
         clock.mark("exchanged")
         clock.mark("end")
@@ -101,14 +94,68 @@ class LocalSteps:
             s, in_forward=s.pull_wait + s.decode + s.apply, in_backward=0.0, in_exchange=s.encode + s.serve, waited=0.0
         )
 
-    def _change(self, layer: Layer) -> torch.Tensor:
-        """The layer's pseudo-gradient theta_sync - theta, flat; the layer goes back to theta_sync."""
+    def _overlaps(self, step: int) -> bool:
+        """Whether the exchange after ``step`` overlaps the next steps: with --overlap-exchange,
+        except before a checkpoint and at the run's end, where it completes as without."""
+        last = step == self.ctx.total - 1
+        return self.cfg.overlap_exchange and not last and not self.ctx.checkpoints.is_due(step)
+
+    def _exchange(self, exchange: int, *, overlapped: bool) -> None:
+        """Push every layer's change since theta_sync.
+
+        Without overlap, each layer goes back to theta_sync, and the next step's forward takes the
+        reply (the new theta_sync). Overlapped: the worker trains on from where it is, which is its
+        next theta_sync for now; the reply, taken at the next exchange, moves it by the servers'
+        result minus its own (``_take_overlapped_reply``)."""
+        if self.deferred:
+            self._take_overlapped_reply()
+        self.post_pulls(exchange + 1)
+        for layer in self.layers:
+            self.push(layer, self._change(layer, back=not overlapped))
+        if overlapped:
+            self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+            self.deferred = True
+            self.progress_exchange()
+            return
+        self.synced = {}
+        while self.awaiting:
+            self.advance_rounds(only=next(iter(self.awaiting)))
+        self.transport.wait_all(self.sends, self._idle())
+        self.sends = []
+
+    def _take_overlapped_reply(self) -> None:
+        """The reply of the last, overlapped exchange: theta = reply + (theta - theta_sync), so
+        the steps taken since go on from the servers' result; it is the new theta_sync."""
+        with torch.no_grad():
+            progress = {name: p.detach() - self.synced[name] for name, p in self.params.items()}
+            for name, p in self.params.items():
+                p.copy_(self.synced[name])  # a reply may be an update of theta_sync (PowerSGD)
+            self.deferred = False
+            self.finish_pulls()
+            self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+            for name, p in self.params.items():
+                p.add_(progress[name])
+
+    def progress_exchange(self) -> None:
+        """While an overlapped exchange travels: drive MPI (a large message moves only while its
+        ranks call into MPI) and answer the servers' rounds that came back."""
+        self.sends = self.transport.progress(self.sends)
+        for handle in self.pulls.values():
+            if handle is not None:
+                handle.test()
+        if self.multi_round:
+            self.advance_rounds()
+
+    def _change(self, layer: Layer, *, back: bool) -> torch.Tensor:
+        """The layer's pseudo-gradient theta_sync - theta, flat; ``back``: the layer goes back to
+        theta_sync."""
         parts = []
         with torch.no_grad():
             for name in layer.params:
                 param = self.params[name]
                 parts.append((self.synced[name] - param.detach()).reshape(-1))
-                param.copy_(self.synced[name])
+                if back:
+                    param.copy_(self.synced[name])
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def local_state_dict(self) -> dict:

@@ -104,6 +104,7 @@ class Worker(Rounds, LocalSteps):
         self.sent: set[int] = set()
         self.step = 0
         self.gate = GradientGate(self.layers)
+        self.deferred = False  # --overlap-exchange: the pulls posted wait for the next exchange
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
@@ -179,6 +180,9 @@ class Worker(Rounds, LocalSteps):
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
             self.serve()
+            if self.deferred:  # an overlapped exchange: its reply is taken at the next exchange
+                self.progress_exchange()
+                return
             if self.pull_step != self.step:  # later micro-batches: the pulls posted are the next step's
                 return
             for index in indices:
