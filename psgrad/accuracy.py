@@ -11,7 +11,9 @@ combination that trailed dense training.
    down-link count as a dense down-link) and, when it reached less than ``PARITY`` of dense on
    the proxy or less than ``HELD_OUT_PARITY`` on the held-out set, returns one sentence for rank 0 to print at start-up, the fraction rounded down to two places
    (0.988 reads 0.98x, never the bar's 0.99x). Unmeasured combinations get no note:
-   the note reports evidence, it does not guess.
+   the note reports evidence, it does not guess. Local steps (``--local-steps``) change what a
+   codec's figure means: their entries name the local steps they were measured with
+   (``local_key``), and a run with local steps that nothing measured is told so.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ HELD_OUT = "a held-out real image-classification set (3 seeds)"
 """Where the ``held_out`` figures come from (docs/benchmarks.md, "Which codec learns")."""
 
 
+_DILOCO = "H={h}, inner sgd, outer nesterov lr 0.7 momentum 0.9"
+"""``local_key`` of --local-steps H at the defaults (DiLoCo's outer optimizer)."""
+
+_AVERAGING = "H={h}, inner sgd, outer sgd lr 1 momentum 0{overlap}"
+"""``local_key`` of plain averaging: outer SGD at lr 1 without momentum."""
+
+
 @dataclass(frozen=True)
 class Measured:
     codec: str
@@ -43,6 +52,7 @@ class Measured:
     where: str
     topology: str = ""  # "": measured with a server (or alltoall) and taken for any topology
     held_out: float | None = None  # x dense on the held-out set; None: not measured there
+    local: str = ""  # "": a gradient every step; else the local steps measured (``local_key``)
 
     @property
     def trails(self) -> bool:
@@ -116,7 +126,54 @@ MEASURED = (
         "powersgd:rank=8", "none", "none", 0.998, "powersgd:rank=8, 15 epochs, median of 6 seeds paired with dense",
         'docs/benchmarks.md, "Which codec learns"', held_out=1.00,
     ),
+    Measured(
+        "none", "none", "none", 0.984, "--local-steps 32, dense exchanges, 15 epochs, median of 3 seeds paired with dense",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32),
+    ),
+    Measured(
+        "powersgd:rank=8", "none", "none", 0.914, "--local-steps 32 with powersgd:rank=8, 15 epochs, median of 2 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32),
+    ),
+    Measured(
+        "none", "none", "none", 0.974, "--local-steps 64, dense exchanges, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=64),
+    ),
+    Measured(
+        "none", "none", "none", 0.942, "--local-steps 8, dense exchanges, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8),
+    ),
+    Measured(
+        "powersgd:rank=8", "none", "none", 0.921, "--local-steps 8 with powersgd:rank=8, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8),
+    ),
+    Measured(
+        "none", "none", "none", 0.981, "--local-steps 8, plain averaging (outer SGD at lr 1), 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_AVERAGING.format(h=8, overlap=""),
+    ),
+    Measured(
+        "none", "none", "none", 0.953, "--local-steps 8, plain averaging, --overlap-exchange, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_AVERAGING.format(h=8, overlap=", overlapped"),
+    ),
+    Measured(
+        "none", "none", "none", 0.712, "--local-steps 32 --overlap-exchange, dense exchanges, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32) + ", overlapped",
+    ),
+    Measured(
+        "powersgd:rank=8", "none", "none", 0.607, "--local-steps 32 --overlap-exchange with powersgd:rank=8, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32) + ", overlapped",
+    ),
 )  # fmt: skip
+
+
+def local_key(cfg: RunConfig) -> str:
+    """What sets one run with ``--local-steps`` apart from another for accuracy ("" without)."""
+    if not cfg.local_steps:
+        return ""
+    overlap = ", overlapped" if cfg.overlap_exchange else ""
+    return (
+        f"H={cfg.local_steps}, inner {cfg.inner_optimizer}, outer {cfg.outer_optimizer} "
+        f"lr {cfg.outer_lr:g} momentum {cfg.outer_momentum:g}{overlap}"
+    )
 
 
 def covers(entry_spec: str, spec: str) -> bool:
@@ -136,6 +193,7 @@ def measured(cfg: RunConfig) -> Measured | None:
             m
             for m in MEASURED
             if m.topology in ("", cfg.topology)
+            and m.local == local_key(cfg)
             and m.feedback == cfg.feedback
             and covers(m.codec, cfg.codec)
             and covers(m.down, down)
@@ -147,11 +205,18 @@ def measured(cfg: RunConfig) -> Measured | None:
 def accuracy_note(cfg: RunConfig) -> str | None:
     """One sentence when ``cfg``'s combination trailed dense on either dataset, else None."""
     found = measured(cfg)
+    if found is None and cfg.local_steps:
+        return (
+            f"note: --local-steps with these settings ({local_key(cfg)}, codec {cfg.codec}) was never measured "
+            'for accuracy; docs/benchmarks.md, "Slow links", has the settings that were: compare with a run '
+            "without --local-steps"
+        )
     if found is None or not found.trails:
         return None
     held_out = f" and {_fraction(found.held_out)}x on {HELD_OUT}" if found.held_out is not None else ""
+    what = "these local steps and codec" if found.local else "this combination of codec, feedback and down-link"
     return (
-        f"note: this combination of codec, feedback and down-link reached {_fraction(found.of_dense)}x dense test "
+        f"note: {what} reached {_fraction(found.of_dense)}x dense test "
         f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}: expect it to "
         "need more epochs than --codec none, and compare the two"
     )

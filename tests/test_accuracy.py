@@ -93,3 +93,15 @@ def test_the_bench_default_rows_were_measured_at_parity():
         _, cfg = item_config(row, RunConfig())
         found = measured(cfg)
         assert found is not None and not found.trails and found.held_out is not None, row
+
+
+def test_local_steps_are_measured_apart_from_the_per_step_codecs():
+    """A codec's per-step figure says nothing of it under --local-steps: PowerSGD rank 8 is at
+    parity per step and trails with 32 local steps; local steps nothing measured say so."""
+    assert accuracy_note(RunConfig(codec="powersgd:rank=8", topology="colocated")) is None
+    note = accuracy_note(RunConfig(codec="powersgd:rank=8", topology="colocated", local_steps=32))
+    assert note is not None and "these local steps and codec reached 0.91x" in note and "Slow links" in note
+    assert "0.98x" in accuracy_note(RunConfig(local_steps=32))
+    assert "0.71x" in accuracy_note(RunConfig(local_steps=32, overlap_exchange=True))
+    unmeasured = accuracy_note(RunConfig(local_steps=16, codec="qsgd:levels=16"))
+    assert unmeasured is not None and "was never measured" in unmeasured
