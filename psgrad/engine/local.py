@@ -12,6 +12,8 @@ A step is one batch, as always. Per step on a worker:
    reply, taken in the next step's forward, is the new theta_sync (a multi-round codec's reply is
    the update, applied here to theta_sync as the servers apply it).
 On the wire an exchange is numbered k = step // H, so the servers count exchanges, not batches.
+With ``--overlap-exchange`` step 3 does not wait and the layers stay where they are: the reply is
+taken at the next exchange, and the worker moves by the servers' result minus its own end point.
 """
 
 from __future__ import annotations
