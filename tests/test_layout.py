@@ -84,7 +84,7 @@ FLOORS = [
     (1, ["psgrad.runtime.sentinel", "psgrad.runtime.signals", "psgrad.runtime"]),
     (2, ["psgrad.checkpoint", "psgrad.runtime.watchdog"]),
     (3, ["psgrad.evaluation", "psgrad.checkpointing"]),
-    (3, ["psgrad.shards"]),
+    (3, ["psgrad.shards", "psgrad.ddpcomm"]),
     (3, ["psgrad.context", "psgrad.startup"]),
     (4, ["psgrad.engine"]),
     (5, sorted(ROLE_ENGINES)),
