@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codecs import Codec, Message, make_codec
+from .codecs import Message
 from .comm import wire
 from .comm.envelope import Envelope
-from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers
+from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, upload_bound
 from .config import RunConfig
 from .feedback import feedback_for
 
@@ -78,7 +78,6 @@ class DDPHook:
         self.feedback = feedback_for(cfg)
         self.step = 0
         self.layers: dict[int, Layer] | None = None  # id(parameter) -> its layer, from the first call
-        self.codecs: dict[str, Codec] = {}
         self.__name__ = self.__qualname__ = "psgrad_ddp_hook"  # DDP logs a hook by its name
 
     # ------------------------------------------------------------------ checkpoints
@@ -120,7 +119,7 @@ class DDPHook:
                 for layer, part in zip(layers, parts, strict=True)
             ]
             means = [torch.zeros(part.numel()) for part in parts]
-            summed = {i for i, msg in enumerate(msgs) if self._codec(msg).sums_in_code_space}
+            summed = {i for i, msg in enumerate(msgs) if wire.codec_of(msg).sums_in_code_space}
             gathered = [i for i in range(len(msgs)) if i not in summed]
             self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means, world=world)
             if gathered:
@@ -162,12 +161,6 @@ class DDPHook:
                 by_name[name] = dataclasses.replace(layer, name=name, shape=shapes[name], params=(name,))
         return {id(p): by_name[name] for name, p in named}
 
-    def _codec(self, msg: Message) -> Codec:
-        key = f"{msg.codec}:{sorted(msg.params.items())}"
-        if key not in self.codecs:
-            self.codecs[key] = make_codec(msg.codec, **msg.params)
-        return self.codecs[key]
-
     def _nonfinite_ranks(self, parts: Iterable[torch.Tensor], *, world: int, rank: int) -> list[int]:
         """The ranks whose bucket holds NaN or Inf (one small all-reduce): every rank learns it at
         once, so all of them stop or skip together instead of some waiting for ever."""
@@ -186,7 +179,7 @@ class DDPHook:
             totals = self._all_reduce_arrays(pending)
             following: dict[int, Message] = {}
             for i, msg in pending.items():
-                codec, layer, round_ = self._codec(msg), layers[i], int(msg.meta.get("round", 0))
+                codec, layer, round_ = wire.codec_of(msg), layers[i], int(msg.meta.get("round", 0))
                 if round_ == 0:
                     total = dataclasses.replace(msg, arrays=totals[i])
                     codec.decode_add(total, means[i], alpha=1.0 / world)
@@ -229,13 +222,9 @@ class DDPHook:
                 if sender == mine:
                     msg = msgs[i]  # the wire is lossless: parsing our own bytes would give it back
                 else:
-                    msg = wire.loads(piece, max_bytes=self._bound(layer), shape=layer.shape)
+                    msg = wire.loads(piece, max_bytes=upload_bound(self.feedback, layer), shape=layer.shape)
                     Envelope("grad", layer.name, step, sender).check(msg, shape=layer.shape)
-                self._codec(msg).decode_add(msg, means[i], alpha=1.0 / world)
-
-    def _bound(self, layer: Layer) -> int:
-        specs = self.feedback.codec_specs() if layer.compress else {"none"}
-        return max(wire.max_message_bytes(spec, layer.shape, layer.name) for spec in specs)
+                wire.codec_of(msg).decode_add(msg, means[i], alpha=1.0 / world)
 
     def _all_gather_bytes(self, blob: bytes, *, world: int) -> list[bytes]:
         size = torch.tensor([len(blob)], dtype=torch.int64)

@@ -50,6 +50,11 @@ def _codec(name: str, params: tuple[tuple[str, Any], ...]) -> Codec:
     return make_codec(name, **dict(params))
 
 
+def codec_of(msg: Message) -> Codec:
+    """The codec that decodes ``msg``: the one instance of its name and parameters."""
+    return _codec(msg.codec, tuple(sorted(msg.params.items())))
+
+
 class WireError(ValueError):
     """A buffer that is not a valid psgrad message; the text says what was wrong."""
 

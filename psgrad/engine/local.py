@@ -73,7 +73,7 @@ class LocalSteps:
         def after_first_forward() -> None:
             if first:
                 self.finish_pulls()
-                self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+                self._remember()
             clock.mark("forward_done")
             self.doing = f"step {step}: backward"
 
@@ -115,7 +115,7 @@ class LocalSteps:
         for layer in self.layers:
             self.push(layer, self._change(layer, back=not overlapped))
         if overlapped:
-            self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+            self._remember()
             self.deferred = True
             self.progress_exchange()
             return
@@ -134,7 +134,7 @@ class LocalSteps:
                 p.copy_(self.synced[name])  # a reply may be an update of theta_sync (PowerSGD)
             self.deferred = False
             self.finish_pulls()
-            self.synced = {name: p.detach().clone() for name, p in self.params.items()}
+            self._remember()
             for name, p in self.params.items():
                 p.add_(progress[name])
 
@@ -147,6 +147,10 @@ class LocalSteps:
                 handle.test()
         if self.multi_round:
             self.advance_rounds()
+
+    def _remember(self) -> None:
+        """theta_sync: a copy of the parameters as they are now."""
+        self.synced = {name: p.detach().clone() for name, p in self.params.items()}
 
     def _change(self, layer: Layer, *, back: bool) -> torch.Tensor:
         """The layer's pseudo-gradient theta_sync - theta, flat; ``back``: the layer goes back to

@@ -115,7 +115,6 @@ class ServerBase:
         self.active = set(self.workers)
         self.pending: dict[object, Handle] = {}
         self.sends: list[Handle] = []
-        self.codecs: dict[str, Codec] = {}
         feedback = ctx.make_feedback()
         self.bounds = {layer.index: upload_bound(feedback, layer) for layer in self.owned}
         self.buffers_size = ctx.buffers_size
@@ -310,10 +309,7 @@ class ServerBase:
         self._on_grad(self.rank, layer, msg)
 
     def _codec(self, msg: Message) -> Codec:
-        key = f"{msg.codec}:{sorted(msg.params.items())}"
-        if key not in self.codecs:
-            self.codecs[key] = make_codec(msg.codec, **msg.params)
-        return self.codecs[key]
+        return wire.codec_of(msg)
 
     def _check_grad(self, worker: int, layer: Layer, msg: Message, *, expected: int, round_: int = 0) -> None:
         Envelope("grad", layer.name, expected, worker, round_).check(msg, shape=layer.shape)
