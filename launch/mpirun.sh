@@ -2,7 +2,8 @@
 # Start a psgrad job over the nodes of a hostfile, with whichever MPI is on PATH (or the venv's
 # pip MPICH): MPICH / Intel MPI (hydra) or Open MPI 4 / 5.
 #
-#   launch/mpirun.sh [--dry-run] [--ranks-per-node G] [--server-node shared|own] HOSTFILE NRANKS COMMAND...
+#   launch/mpirun.sh [--dry-run] [--ranks-per-node G] [--server-node shared|own]
+#                    [--max-restarts K [--restart-from-scratch]] HOSTFILE NRANKS COMMAND...
 #
 # HOSTFILE: one node a line, in either syntax — "node0", "node0 slots=4" (Open MPI) or "node0:4"
 #   (MPICH); '#' starts a comment. It is translated into the syntax of the MPI found.
@@ -10,18 +11,26 @@
 #   Default 1. Rank 0, the parameter server, shares node 0 with G - 1 workers (--server-node shared).
 # --server-node own: the first node runs the server alone (it may be a CPU-only node: the server
 #   takes no GPU), the others G workers each; NRANKS = 1 + G x (nodes - 1).
+# --max-restarts K: when the job fails (a rank killed, crashed, cut off), start it again with
+#   --resume LOG_DIR from the newest complete checkpoint of the command's --log-dir, up to K times;
+#   one line per restart names the rank, the step and the checkpoint. A usage error (status 2), a
+#   gradient that is not finite (3) or a checkpoint problem (4) is never restarted; 5: failed
+#   again after K restarts; 6: failed before its first checkpoint (--restart-from-scratch starts
+#   such a job again from step 0). docs/launch.md, "Failures".
 # --dry-run: print the translated hostfile and the command instead of running it.
 # MPIEXEC=path picks the launcher. As root, Open MPI also gets --allow-run-as-root --oversubscribe.
 set -euo pipefail
-usage() { sed -n '5,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
 
-DRY=0; PER_NODE=1; SERVER=shared
+DRY=0; PER_NODE=1; SERVER=shared; RESTARTS=""; SCRATCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
     --ranks-per-node) [ $# -ge 2 ] || usage; PER_NODE="$2"; shift 2 ;;
     --server-node) [ $# -ge 2 ] || usage; SERVER="$2"; shift 2 ;;
+    --max-restarts) [ $# -ge 2 ] || usage; RESTARTS="$2"; shift 2 ;;
+    --restart-from-scratch) SCRATCH=1; shift ;;
     -h|--help) usage ;;
     --) shift; break ;;
     -*) die "unknown option $1" ;;
@@ -33,6 +42,12 @@ HOSTS="$1"; N="$2"; shift 2
 [[ "$PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "--ranks-per-node must be a positive integer, got '$PER_NODE'"
 [[ "$N" =~ ^[1-9][0-9]*$ ]] || die "NRANKS must be a positive integer, got '$N'"
 case "$SERVER" in shared|own) ;; *) die "--server-node must be shared or own, got '$SERVER'" ;; esac
+[ -z "$RESTARTS" ] || [[ "$RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be a whole number, got '$RESTARTS'"
+[ "$SCRATCH" = 0 ] || [ -n "$RESTARTS" ] || die "--restart-from-scratch needs --max-restarts K"
+if [ -n "$RESTARTS" ]; then
+  found=0; for word in "$@"; do case "$word" in --log-dir|--log-dir=*) found=1 ;; esac; done
+  [ "$found" = 1 ] || die "--max-restarts needs the command's --log-dir DIR (where the checkpoints it resumes from are)"
+fi
 [ -r "$HOSTS" ] || die "cannot read hostfile '$HOSTS'"
 
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
@@ -82,10 +97,21 @@ else
   CMD+=(-genv OMP_NUM_THREADS 1 "$@")
 fi
 
+if [ -n "$RESTARTS" ]; then  # the supervisor runs the job and starts it again (psgrad/runtime/restarts.py)
+  PYTHON="${PSGRAD_PYTHON:-$( [ -x "$HERE/.venv/bin/python" ] && echo "$HERE/.venv/bin/python" || command -v python3)}"
+  SUPERVISE=("$PYTHON" -m psgrad.runtime.restarts --max-restarts "$RESTARTS" --remove-when-done "$TRANSLATED")
+  [ "$SCRATCH" = 1 ] && SUPERVISE+=(--restart-from-scratch)
+  CMD=("${SUPERVISE[@]}" -- "${CMD[@]}")
+fi
+
 if [ "$DRY" = 1 ]; then
   echo "# $FLAVOR hostfile $TRANSLATED:"
   sed 's/^/#   /' "$TRANSLATED"
   printf '%q ' "${CMD[@]}"; echo
   exit 0
+fi
+if [ -n "$RESTARTS" ]; then  # signals must reach the supervisor itself; it removes the hostfile when done
+  trap - EXIT
+  exec "${CMD[@]}"
 fi
 "${CMD[@]}"

@@ -99,6 +99,27 @@ def save_model(log_dir: str | Path, model: torch.nn.Module) -> Path:
     return path
 
 
+def prune(log_dir: str | Path, *, keep: int) -> list[Path]:
+    """``--keep-checkpoints``: delete what is older than the newest ``keep`` complete checkpoints
+    (nothing with ``keep`` 0); returns the directories deleted.
+
+    1. Find the complete checkpoints (those with a marker), newest first.
+    2. Every ``ckpt-stepN`` older than the ``keep``-th of them goes, complete or cut off. Newer
+       ones stay, a checkpoint being written included: so the newest complete checkpoint, the one
+       a restart resumes from, is only deleted once ``keep`` newer ones are complete."""
+    if keep <= 0:
+        return []
+    steps = {int(m.group(1)): d for d in Path(log_dir).glob("ckpt-step*") if (m := _STEP_DIR.search(d.name))}
+    complete = sorted((step for step, d in steps.items() if _marker(d) is not None), reverse=True)
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    gone = [d for step, d in sorted(steps.items()) if step < oldest_kept]
+    for directory in gone:
+        shutil.rmtree(directory, ignore_errors=True)
+    return gone
+
+
 def clear_run(log_dir: str | Path) -> None:
     """``--overwrite``: remove what an earlier run left in ``log_dir`` (its CSV files, TensorBoard
     events, checkpoints and model), so nothing of it is resumed from or plotted with the new one."""
@@ -176,7 +197,7 @@ def run_dir(resume: str | Path | None) -> Path | None:
 # settings that say how long a run goes, where it writes and how it shows it: free to change on resume
 _FREE_ON_RESUME = frozenset(
     {"steps", "epochs", "resume", "overwrite", "log_dir", "progress", "timeout", "threads", "device", "extra",
-     "eval_every", "eval_steps", "eval_background", "tensorboard", "checkpoint_every"}
+     "eval_every", "eval_steps", "eval_background", "tensorboard", "checkpoint_every", "keep_checkpoints"}
 )  # fmt: skip
 
 

@@ -20,8 +20,8 @@ class Checkpoints:
     """Checkpoints of one run on one rank: into ``log_dir`` (else ./checkpoints) every ``every``
     steps and after the last of ``total`` steps whenever there is a log dir."""
 
-    def __init__(self, log_dir: str | None, *, transport: Channel, every: int, total: int) -> None:
-        self.log_dir, self.transport, self.every, self.total = log_dir, transport, every, total
+    def __init__(self, log_dir: str | None, *, transport: Channel, every: int, total: int, keep: int = 0) -> None:
+        self.log_dir, self.transport, self.every, self.total, self.keep = log_dir, transport, every, total, keep
 
     def is_due(self, step: int) -> bool:
         """Every ``--checkpoint-every`` steps, and after the last step whenever there is a log dir."""
@@ -31,13 +31,17 @@ class Checkpoints:
     def save(self, step: int, state: dict) -> None:
         """Every rank writes its file (atomically); once all have (one allreduce: every rank is
         between steps, and the MPI progress it drives completes the sends still in flight), rank 0
-        writes the marker that makes the checkpoint complete."""
+        writes the marker that makes the checkpoint complete, then deletes the checkpoints older
+        than the newest ``keep`` (``checkpoint.prune``; the log dir is shared by the ranks, as
+        resuming needs)."""
         rank, size = self.transport.rank, self.transport.size
-        directory = checkpoint.step_dir(self.log_dir or "checkpoints", step)
+        where = self.log_dir or "checkpoints"
+        directory = checkpoint.step_dir(where, step)
         checkpoint.save_rank_state(directory, rank, {"step": step, **state})
         written = self.transport.allreduce_sum([1])[0]
         if rank == 0 and written == size:
             checkpoint.mark_complete(directory, step, size)
+            checkpoint.prune(where, keep=self.keep)
 
     def save_model(self, model: nn.Module) -> None:
         """``model.pt`` in the log dir (called on the first worker, after its last pull: the

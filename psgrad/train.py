@@ -92,7 +92,7 @@ def run(
             loss_fn=loss_fn,
             optimizer_fn=optimizer_fn,
         )
-        result = _loop(ctx, where=where, keep_all_rows=keep_all_rows)
+        result = _loop(ctx, where=where, keep_all_rows=keep_all_rows, at_step=watchdog.at_step)
     except BaseException as err:
         end_on_failure(err, transport=transport, watchdog=watchdog, log_dir=cfg.log_dir, doing=report().doing)
         raise
@@ -100,9 +100,9 @@ def run(
     return result
 
 
-def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool) -> RunResult:
+def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callable[[int], None]) -> RunResult:
     """This rank's role, from its first step to its result (``where`` tells the watchdog what it
-    is doing)."""
+    is doing, ``at_step`` which step it starts)."""
     role = where["role"] = ctx.topology.make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)
@@ -110,6 +110,7 @@ def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool) -> RunResult:
     log = ctx.open_log(keep_all_rows=keep_all_rows)  # rank 0 only
     role.start()
     for step in range(ctx.start, ctx.total):
+        at_step(step)
         started = time.monotonic()
         rows = role.step(step)
         where["slowest"] = max(where.get("slowest", 0.0), time.monotonic() - started)

@@ -131,5 +131,7 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
         run_simulation(cfg, workers, cores=cores, stack=stack)
     except AgreementError:  # a usage error, printed once: exit 2 as under mpiexec
         raise
-    except Exception:  # the failing rank printed its error and traceback (train.run)
-        sys.exit(1)
+    except Exception as err:  # the failing rank printed its error and traceback (train.run)
+        from ..runtime.failure import exit_status
+
+        sys.exit(exit_status(err))

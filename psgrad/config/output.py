@@ -57,6 +57,12 @@ class OutputSettings:
         low=0,
         help="Write a checkpoint every N steps (0: never), into --log-dir (without one, into ./checkpoints); with --log-dir the last step always writes one, and model.pt.",
     )
+    keep_checkpoints: int = setting(
+        2,
+        section=OUTPUT,
+        low=0,
+        help="Keep the newest N complete checkpoints and delete older ones once a newer one is complete (0: keep all); the one a restart would resume from is never deleted before its successor is complete.",
+    )
     overwrite: bool = setting(
         False,
         section=OUTPUT,

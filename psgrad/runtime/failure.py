@@ -14,11 +14,23 @@ from ..comm.protocol import NonFiniteError
 from ..comm.waiting import PeerFailure
 from ..metrics import say
 from ..startup import AgreementError
+from .exits import CHECKPOINT, FAILED, NONFINITE
 from .signals import ignore_further_stops, stop_reason
 
 EXPECTED_STOPS = (checkpoint.CheckpointError, NonFiniteError)
 """Errors whose one line says what happened and what to do (a checkpoint that does not fit, a
 gradient that is not finite): a traceback into autograd would only bury it."""
+
+
+def exit_status(err: BaseException) -> int:
+    """The exit status a run that failed with ``err`` ends with (``FAILED``, ``NONFINITE`` or
+    ``CHECKPOINT``; runtime/exits.py)."""
+    if isinstance(err, NonFiniteError):
+        return NONFINITE
+    if isinstance(err, checkpoint.CheckpointError):
+        return CHECKPOINT
+    return FAILED
+
 
 if TYPE_CHECKING:  # the interfaces only
     from ..comm.channel import Channel
@@ -35,8 +47,9 @@ def end_on_failure(
     2. Ctrl-C or SIGTERM: one line (where it stopped), rank 0 the checkpoint that resumes the
        run, further stops ignored, and the job aborted with the shell's status for the signal.
     3. Any other error: one line; a full disk adds the resume hint, and an error other than an
-       expected stop (``EXPECTED_STOPS``, whose one line says what to do) its traceback, which
-       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with status 1, the abort
+       expected stop (``EXPECTED_STOPS``, whose one line says what to do) or a peer's failure
+       (``PeerFailure``: the other rank's own line says why) its traceback, which
+       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with ``exit_status(err)``, the abort
        claimed unless a dead peer's sentinel names it.
     """
     if getattr(err, "reported_elsewhere", False):
@@ -55,10 +68,11 @@ def end_on_failure(
     say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}")
     if _disk_full(err):  # the system's words say it all; what to resume from once there is room
         _say_resume_hint(transport.rank, log_dir)
-    elif not isinstance(err, EXPECTED_STOPS) or os.environ.get("PSGRAD_DEBUG"):
+    elif not isinstance(err, (*EXPECTED_STOPS, PeerFailure)) or os.environ.get("PSGRAD_DEBUG"):
         traceback.print_exc(file=sys.stderr)
     # a dead peer's sentinel names it, not this rank
-    _end_job(transport, watchdog, None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}", 1)
+    claim = None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}"
+    _end_job(transport, watchdog, claim, exit_status(err))
 
 
 def _say_resume_hint(rank: int, log_dir: str | None) -> None:

@@ -33,7 +33,9 @@ def run_command(
     3. A stop says where it was and ends the job (``leave_the_job``); a usage error of a command
        whose ranks agree on usage (``agrees_on_usage()``, asked once the command is known) is printed
        once for the job, and every rank
-       exits with status 2; any other error in a multi-rank launch ends the job too (``fail_the_job``).
+       exits with status 2; any other error in a multi-rank launch ends the job too (``fail_the_job``);
+       in a single rank, an expected stop of ``train.run`` (which said its line) exits with its
+       status (``failure.exit_status``).
     """
     from ..startup import AgreementError
     from .signals import stop_reason, stop_signals_end_the_rank, stop_signals_raise
@@ -67,6 +69,10 @@ def run_command(
         raise
     except Exception as err:
         if ranks < 2:
+            from .failure import EXPECTED_STOPS, exit_status
+
+            if isinstance(err, EXPECTED_STOPS):  # train.run said its one line; the status says which stop
+                ctx.exit(exit_status(err))
             raise
         # a Ctrl-C that a library reported as its own error (one inside torch's import is a
         # RuntimeError) is the stop it is; any other error must end the job too

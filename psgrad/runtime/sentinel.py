@@ -35,8 +35,17 @@ No survivor lives long enough to notice anything. So each rank starts a tiny sen
 
 The claim file lives in the log dir when there is one (shared between nodes on most clusters),
 else in the node's temp dir (then each node may name its own first).
+
+7. With a log dir, whoever claims the first death also appends one JSON line to the log dir's
+   ``failures.jsonl``: the rank, its role, the step it was in (the rank tells its sentinel each
+   step it starts, ``at_step``), ``how`` ("died" or "aborted") and the reason. It is written
+   before the claimant lets go of the job's output, so it is there when mpiexec returns:
+   ``launch/mpirun.sh --max-restarts`` reads it to say which rank failed where
+   (psgrad/runtime/restarts.py).
+
 The sentinel runs this file as a script (stdlib only: no torch, ~10 MB, ~20 ms to start):
-``python -I sentinel.py PID [CLAIM RANK ROLE]`` (without the claim: started early, see 6).
+``python -I sentinel.py PID [CLAIM RANK ROLE RECORD]`` (without the claim: started early, see 6;
+RECORD empty without a log dir).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import importlib.util
+import json
 import os
 import select
 import socket
@@ -59,6 +69,8 @@ _SEGMENT = b"shm "
 _ABORT = b"abort\n"
 _DONE = b"done\n"
 _JOB = b"job "
+_STEP = b"step "
+FAILURES = "failures.jsonl"
 _TIDY_AFTER = 10.0  # seconds: the other ranks' sentinels check the claim within milliseconds
 POLL_SECONDS = 0.02  # an early sentinel's look at the rank's maps (0.7 ms a look), until it sees its segments
 
@@ -77,6 +89,18 @@ def claim(path: str | Path, text: str) -> bool:
     except OSError:  # a full disk: the empty file claims as well, and the rank must go on to abort
         pass
     return True
+
+
+def record_failure(path: str | Path | None, **fields: object) -> None:
+    """Append ``fields`` as one JSON line to ``path`` (the log dir's ``failures.jsonl``; nothing
+    without one). Best effort: a full disk must not keep a failing rank from aborting."""
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+    except OSError:
+        pass
 
 
 _held: list[Sentinel] = []  # sentinels told "done", waiting for farewell()
@@ -115,13 +139,15 @@ def start_early() -> None:
         atexit.register(_leave_unadopted)
 
 
-def adopt_early(claim_path: Path, rank: int, role: str, segments: Sequence[str]) -> Sentinel | None:
+def adopt_early(
+    claim_path: Path, rank: int, role: str, segments: Sequence[str], record: Path | None = None
+) -> Sentinel | None:
     """The sentinel ``start_early`` started, now told the job (``Sentinel.adopt``), or None if there
     is none (a script that calls ``train.run`` itself; a second run in one process)."""
     global _early
     early, _early = _early, None
     if early is not None:
-        early.adopt(claim_path, rank, role, segments)
+        early.adopt(claim_path, rank, role, segments, record)
     return early
 
 
@@ -134,12 +160,20 @@ class Sentinel:
     """The rank's side: start the process, then ``bye()`` on a clean end or ``claim()`` before a
     deliberate abort."""
 
-    def __init__(self, claim_path: Path | None, rank: int = -1, role: str = "", segments: Sequence[str] = ()) -> None:
-        """``segments``: the MPI library's shared-memory files of the job, removed if the rank dies.
+    def __init__(
+        self,
+        claim_path: Path | None,
+        rank: int = -1,
+        role: str = "",
+        segments: Sequence[str] = (),
+        record: Path | None = None,
+    ) -> None:
+        """``segments``: the MPI library's shared-memory files of the job, removed if the rank dies;
+        ``record``: the log dir's ``failures.jsonl`` (module docstring, 7), or None.
         Without ``claim_path`` the sentinel starts early (module docstring, 6): ``adopt`` it later."""
-        self.claim_path = claim_path
-        self.rank = rank
-        job = [] if claim_path is None else [str(claim_path), str(rank), role]
+        self.claim_path, self.rank, self.role, self.record = claim_path, rank, role, record
+        self.step: int | None = None
+        job = [] if claim_path is None else [str(claim_path), str(rank), role, str(record or "")]
         self.proc = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), *job],
             stdin=subprocess.PIPE,
@@ -148,11 +182,14 @@ class Sentinel:
         )
         self._name(segments)
 
-    def adopt(self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = ()) -> None:
-        """An early sentinel learns the job's claim file, the rank and its segments: from now on it
-        is what ``Sentinel(claim_path, rank, role, segments)`` would have started."""
-        self.claim_path, self.rank = claim_path, rank
-        fields = (os.fsencode(str(claim_path)), str(rank).encode(), role.encode())
+    def adopt(
+        self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = (), record: Path | None = None
+    ) -> None:
+        """An early sentinel learns the job's claim file, the rank, its segments and the failure
+        record: from now on it is what ``Sentinel(claim_path, rank, role, segments, record)``
+        would have started."""
+        self.claim_path, self.rank, self.role, self.record = claim_path, rank, role, record
+        fields = (os.fsencode(str(claim_path)), str(rank).encode(), role.encode(), os.fsencode(str(record or "")))
         self._tell(_JOB + b"\t".join(fields) + b"\n", last=False)
         self._name(segments)
 
@@ -171,6 +208,11 @@ class Sentinel:
             except OSError:
                 pass
 
+    def at_step(self, step: int) -> None:
+        """The rank starts training step ``step`` (a failure record names it)."""
+        self.step = step
+        self._tell(_STEP + str(step).encode() + b"\n", last=False)
+
     def bye(self) -> None:
         """The rank's work ended cleanly (see the module docstring for a held goodbye)."""
         if _holding:
@@ -182,16 +224,17 @@ class Sentinel:
     def claim(self, reason: str) -> None:
         """This rank ends the job on purpose: take the claim so no sentinel blames its victims
         (the sentinel removes the claim file a little later)."""
-        if self.claim_path is not None:
-            claim(self.claim_path, f"rank {self.rank}: {reason}\n")
+        if self.claim_path is not None and claim(self.claim_path, f"rank {self.rank}: {reason}\n"):
+            record_failure(self.record, rank=self.rank, role=self.role, step=self.step, how="aborted", reason=reason)
         self._tell(_ABORT)
 
 
-def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = "") -> None:
+def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = "", record: str = "") -> None:
     """The sentinel's side: read the rank's words until it closes the pipe (or dies); an early
     sentinel (no ``claim_path``) looks at the rank's segments meanwhile, until it is adopted."""
     segments = _segments_module()
     words: list[bytes] = []
+    step: int | None = None  # the last step the rank started (kept apart: one word a step)
     seen: list[str] = []  # an early sentinel's look at the rank's segments
     pending = b""
     stdin = sys.stdin.fileno()
@@ -217,8 +260,10 @@ def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = 
             break
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
-            if line.startswith(_JOB):
-                claim_path, rank, role = (os.fsdecode(field) for field in line[len(_JOB) :].split(b"\t"))
+            if line.startswith(_STEP):
+                step = int(line[len(_STEP) :])
+            elif line.startswith(_JOB):
+                claim_path, rank, role, record = (os.fsdecode(field) for field in line[len(_JOB) :].split(b"\t"))
             else:
                 words.append(line + b"\n")
     if words[-1:] == [_BYE]:
@@ -227,12 +272,15 @@ def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = 
     segments.remove(told or seen)  # MPI_Finalize, which removes them, will not run (runtime/segments.py)
     if claim_path is None:  # died before the job agreed on a claim file: there is no first death to settle
         return
-    _settle_death(words, pid=pid, claim_path=claim_path, rank=rank, role=role)
+    _settle_death(words, pid=pid, claim_path=claim_path, rank=rank, role=role, step=step, record=record)
 
 
-def _settle_death(words: list[bytes], *, pid: str, claim_path: str, rank: str, role: str) -> None:
+def _settle_death(
+    words: list[bytes], *, pid: str, claim_path: str, rank: str, role: str, step: int | None, record: str
+) -> None:
     """A rank died with the job's claim file agreed: unless it ended the job on purpose, claim
-    the first death and say which rank died when, then tidy up and remove the claim."""
+    the first death, record it (module docstring, 7) and say which rank died when, then tidy up
+    and remove the claim."""
     if _ABORT not in words:
         now = datetime.datetime.now().strftime("%H:%M:%S.%f")
         if not claim(claim_path, f"rank {rank} ({role}, pid {pid}) died at {now}\n"):
@@ -242,9 +290,13 @@ def _settle_death(words: list[bytes], *, pid: str, claim_path: str, rank: str, r
             if _DONE in words
             else "without a word"
         )
+        cause = "killed, crashed or out of memory"
+        reason = cause if _DONE not in words else f"{cause}, after its training ended"
+        record_failure(record, rank=int(rank), role=role, step=step, how="died", reason=reason)
+        during = f" in step {step}" if step is not None and _DONE not in words else ""
         print(
-            f"[psgrad sentinel] rank {rank} ({role}, pid {pid} on {socket.gethostname()}) died {when} at "
-            f"{now}: killed, crashed or out of memory. It died first; mpiexec ended the other ranks after it "
+            f"[psgrad sentinel] rank {rank} ({role}, pid {pid} on {socket.gethostname()}) died {when}{during} at "
+            f"{now}: {cause}. It died first; mpiexec ended the other ranks after it "
             "(its own message may name another PID).",
             file=sys.stderr,
             flush=True,
@@ -305,4 +357,4 @@ def _segments_module() -> ModuleType:
 
 
 if __name__ == "__main__":
-    _watch(*sys.argv[1:5])
+    _watch(*sys.argv[1:6])

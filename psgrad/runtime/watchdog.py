@@ -35,7 +35,7 @@ from ..comm.transport import Transport
 from ..comm.waiting import WAITING
 from ..metrics import say
 from . import segments
-from .sentinel import Sentinel, adopt_early
+from .sentinel import FAILURES, Sentinel, adopt_early
 
 FLOOR = 60.0
 FACTOR = 10.0
@@ -93,8 +93,9 @@ class Watchdog:
             directory = Path(self.claim_dir) if self.claim_dir else Path(tempfile.gettempdir())
             directory.mkdir(parents=True, exist_ok=True)
             claim_path, role, mapped = directory / f".psgrad-{job}.died", self.names(self.rank), segments.job_segments()
-            self.sentinel = adopt_early(claim_path, self.rank, role, mapped) or Sentinel(
-                claim_path, self.rank, role, mapped
+            record = Path(self.claim_dir) / FAILURES if self.claim_dir else None  # only into a log dir
+            self.sentinel = adopt_early(claim_path, self.rank, role, mapped, record) or Sentinel(
+                claim_path, self.rank, role, mapped, record
             )
             self.comm = self.world.dup()
             now = time.monotonic()
@@ -109,6 +110,11 @@ class Watchdog:
         """This rank is about to abort the job: its victims' sentinels must not blame them."""
         if self.sentinel is not None:
             self.sentinel.claim(reason)
+
+    def at_step(self, step: int) -> None:
+        """This rank starts training step ``step``: its sentinel keeps it for a failure record."""
+        if self.sentinel is not None:
+            self.sentinel.at_step(step)
 
     def stop(self) -> None:
         """Say goodbye (peers stop watching this rank), then end the thread."""
