@@ -7,27 +7,28 @@
 #
 # HOSTFILE: one node a line, in either syntax — "node0", "node0 slots=4" (Open MPI) or "node0:4"
 #   (MPICH); '#' starts a comment. It is translated into the syntax of the MPI found.
-# --ranks-per-node G: G ranks on every node (one per GPU: each worker takes cuda:<its index among the node's workers>).
-#   Default 1. Rank 0, the parameter server, shares node 0 with G - 1 workers (--server-node shared).
+# --ranks-per-node G: G ranks on every node (one per GPU: each worker takes cuda:<its index among the node's workers>),
+#   in place of the hostfile's slot counts; without it each node takes its hostfile count (else 1).
+#   Rank 0, the parameter server, shares node 0 with G - 1 workers (--server-node shared).
 # --server-node own: the first node runs the server alone (it may be a CPU-only node: the server
 #   takes no GPU), the others G workers each; NRANKS = 1 + G x (nodes - 1).
 # --max-restarts K: when the job fails (a rank killed, crashed, cut off), start it again with
 #   --resume LOG_DIR from the newest complete checkpoint of the command's --log-dir, up to K times;
 #   one line per restart names the rank, the step and the checkpoint. A usage error (status 2), a
-#   gradient that is not finite (3) or a checkpoint problem (4) is never restarted; 5: failed
+#   gradient that is not finite (3) or a checkpoint problem or full disk (4) is never restarted; 5: failed
 #   again after K restarts; 6: failed before its first checkpoint (--restart-from-scratch starts
 #   such a job again from step 0). docs/launch.md, "Failures".
 # --dry-run: print the translated hostfile and the command instead of running it.
 # MPIEXEC=path picks the launcher. As root, Open MPI also gets --allow-run-as-root --oversubscribe.
 set -euo pipefail
-usage() { sed -n '5,21p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
 
-DRY=0; PER_NODE=1; SERVER=shared; RESTARTS=""; SCRATCH=0
+DRY=0; PER_NODE=1; PER_NODE_SET=0; SERVER=shared; RESTARTS=""; SCRATCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
-    --ranks-per-node) [ $# -ge 2 ] || usage; PER_NODE="$2"; shift 2 ;;
+    --ranks-per-node) [ $# -ge 2 ] || usage; PER_NODE="$2"; PER_NODE_SET=1; shift 2 ;;
     --server-node) [ $# -ge 2 ] || usage; SERVER="$2"; shift 2 ;;
     --max-restarts) [ $# -ge 2 ] || usage; RESTARTS="$2"; shift 2 ;;
     --restart-from-scratch) SCRATCH=1; shift ;;
@@ -62,26 +63,37 @@ elif grep -qi "hydra" <<<"$VERSION"; then FLAVOR=hydra
 else die "cannot tell which MPI '$MPIEXEC' is (neither Open MPI nor MPICH/Intel MPI): $(head -1 <<<"$VERSION")"
 fi
 
-# Nodes of the hostfile, whatever its syntax (slot counts are replaced by the layout asked for).
-NODES=()
+# Nodes of the hostfile, whatever its syntax, and the slots each line gives ("node0 slots=4",
+# "node0:4"; none: empty). --ranks-per-node replaces them; without it they are honoured.
+NODES=(); GIVEN=()
 while IFS= read -r line || [ -n "$line" ]; do
-  line="${line%%#*}"; read -r first _ <<<"$line" || true
+  line="${line%%#*}"; read -r first rest <<<"$line" || true
   [ -n "${first:-}" ] || continue
   NODES+=("${first%%:*}")
+  given=""
+  if [[ "$first" == *:* ]]; then given="${first##*:}"
+  elif [[ "${rest:-}" =~ slots=([0-9]+) ]]; then given="${BASH_REMATCH[1]}"; fi
+  [ -z "$given" ] || [[ "$given" =~ ^[1-9][0-9]*$ ]] || die "hostfile '$HOSTS': bad slot count '$given' for ${first%%:*}"
+  GIVEN+=("$given")
 done <"$HOSTS"
 [ ${#NODES[@]} -gt 0 ] || die "hostfile '$HOSTS' names no node"
 
-SLOTS=()
+SLOTS=(); FROM_HOSTFILE=0
 for i in "${!NODES[@]}"; do
-  if [ "$SERVER" = own ] && [ "$i" = 0 ]; then SLOTS+=(1); else SLOTS+=("$PER_NODE"); fi
+  if [ "$SERVER" = own ] && [ "$i" = 0 ]; then SLOTS+=(1)
+  elif [ "$PER_NODE_SET" = 0 ] && [ -n "${GIVEN[$i]}" ]; then SLOTS+=("${GIVEN[$i]}"); FROM_HOSTFILE=1
+  else SLOTS+=("$PER_NODE"); fi
 done
 CAPACITY=0; for s in "${SLOTS[@]}"; do CAPACITY=$((CAPACITY + s)); done
 if [ "$N" -gt "$CAPACITY" ]; then
-  die "$N ranks do not fit: ${#NODES[@]} nodes x the layout give $CAPACITY slots (check --ranks-per-node)"
+  if [ "$PER_NODE_SET" = 1 ]; then why="--ranks-per-node $PER_NODE replaces the hostfile's slot counts"
+  elif [ "$FROM_HOSTFILE" = 1 ]; then why="the hostfile's slot counts; --ranks-per-node G sets G on every node"
+  else why="one rank a node; --ranks-per-node G sets G"; fi
+  die "$N ranks do not fit: ${#NODES[@]} nodes give $CAPACITY slots ($why)"
 fi
 
 TRANSLATED="$(mktemp "${TMPDIR:-/tmp}/psgrad-hosts.XXXXXX")"
-trap 'rm -f "$TRANSLATED"' EXIT
+[ "$DRY" = 1 ] || trap 'rm -f "$TRANSLATED"' EXIT  # a dry run keeps it: the command it prints names it
 for i in "${!NODES[@]}"; do
   if [ "$FLAVOR" = openmpi ]; then echo "${NODES[$i]} slots=${SLOTS[$i]}"; else echo "${NODES[$i]}:${SLOTS[$i]}"; fi
 done >"$TRANSLATED"
@@ -89,11 +101,11 @@ done >"$TRANSLATED"
 if [ "$FLAVOR" = openmpi ]; then
   CMD=("$MPIEXEC")
   [ "$(id -u)" = 0 ] && CMD+=(--allow-run-as-root --oversubscribe)
-  if [ "$SERVER" = own ]; then CMD+=(--map-by slot); else CMD+=(--map-by "ppr:$PER_NODE:node"); fi
+  if [ "$SERVER" = own ] || [ "$FROM_HOSTFILE" = 1 ]; then CMD+=(--map-by slot); else CMD+=(--map-by "ppr:$PER_NODE:node"); fi
   CMD+=(-n "$N" --hostfile "$TRANSLATED" -x PATH -x OMP_NUM_THREADS=1 "$@")
 else
   CMD=("$MPIEXEC" -n "$N" -f "$TRANSLATED")
-  [ "$SERVER" = own ] || CMD+=(-ppn "$PER_NODE")
+  [ "$SERVER" = own ] || [ "$FROM_HOSTFILE" = 1 ] || CMD+=(-ppn "$PER_NODE")
   CMD+=(-genv OMP_NUM_THREADS 1 "$@")
 fi
 
@@ -105,7 +117,7 @@ if [ -n "$RESTARTS" ]; then  # the supervisor runs the job and starts it again (
 fi
 
 if [ "$DRY" = 1 ]; then
-  echo "# $FLAVOR hostfile $TRANSLATED:"
+  echo "# $FLAVOR hostfile $TRANSLATED (kept for the command below):"
   sed 's/^/#   /' "$TRANSLATED"
   printf '%q ' "${CMD[@]}"; echo
   exit 0

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install psgrad with what it needs; idempotent and quick when done.
-#   bash launch/setup.sh          runtime: torch (CPU wheel), MPICH from pip, psgrad
+#   bash launch/setup.sh          runtime: torch, MPICH from pip, psgrad
 #   bash launch/setup.sh test     + pytest, hypothesis, ruff, matplotlib
 # PSGRAD_VENV=path picks another venv; PSGRAD_SYSTEM_MPI=1 skips the pip MPICH (use an mpi4py
-# built against your system MPI instead, see docs/launch.md).
+# built against your system MPI instead, see docs/launch.md). torch: PSGRAD_TORCH=version (default
+# 2.13.0) from pip's index, or from PSGRAD_TORCH_INDEX=url (https://download.pytorch.org/whl/cpu for
+# the CPU-only build, .../whl/cu126 for a CUDA one): PyPI's Linux wheel bundles CUDA (several GB).
+# A venv that has torch keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PSGRAD_VENV:-.venv}"
@@ -16,8 +19,9 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build on a CPU box.
 # (found, not imported: importing torch takes seconds; the last line below imports it anyway)
 if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"; then
-  echo "[setup] installing torch ${PSGRAD_TORCH:-2.13.0}"
-  "${PIP[@]}" "torch==${PSGRAD_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+  echo "[setup] installing torch ${PSGRAD_TORCH:-2.13.0}${PSGRAD_TORCH_INDEX:+ from $PSGRAD_TORCH_INDEX}"
+  INDEX=(); [ -z "${PSGRAD_TORCH_INDEX:-}" ] || INDEX=(--index-url "$PSGRAD_TORCH_INDEX")
+  "${PIP[@]}" "${INDEX[@]}" "torch==${PSGRAD_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 EXTRAS="plot"
 [ "${PSGRAD_SYSTEM_MPI:-0}" = "1" ] || EXTRAS="$EXTRAS,mpich"

@@ -21,6 +21,7 @@ _HOMES = {
     "DGCMemory": "psgrad.feedback",
     "ErrorFeedback": "psgrad.feedback",
     "make_feedback": "psgrad.feedback",
+    "load_model": "psgrad.checkpoint",
     # your own training loop (docs/api.md)
     "init": "psgrad.userloop",
     "rank": "psgrad.userloop",

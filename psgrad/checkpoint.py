@@ -120,6 +120,30 @@ def prune(log_dir: str | Path, *, keep: int) -> list[Path]:
     return gone
 
 
+def load_model(log_dir: str | Path) -> torch.nn.Module:
+    """The model the run in ``log_dir`` trained, in eval mode: the one its last evaluation scored.
+
+    1. Read the run's ``config.json`` (its ``--model``, depth, width and classes).
+    2. Build that model (``psgrad.models.build_model``).
+    3. Load ``model.pt`` into it (``weights_only``).
+
+    A model of your own (``train.run(model_fn=...)``) is not in config.json: build it yourself and
+    ``load_state_dict(torch.load(LOG_DIR/model.pt, weights_only=True))``."""
+    import torch
+
+    from .config import RunConfig
+    from .models import build_model
+
+    directory = Path(log_dir)
+    for name in ("config.json", "model.pt"):
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory / name}: missing (a run with --log-dir {log_dir} writes it at its end)")
+    cfg = RunConfig.from_json((directory / "config.json").read_text())
+    model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
+    model.load_state_dict(torch.load(directory / "model.pt", weights_only=True))
+    return model.eval()
+
+
 def clear_run(log_dir: str | Path) -> None:
     """``--overwrite``: remove what an earlier run left in ``log_dir`` (its CSV files, TensorBoard
     events, checkpoints and model), so nothing of it is resumed from or plotted with the new one."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import checkpoint
-from .metrics import say
 
 if TYPE_CHECKING:  # the interface only
+    from pathlib import Path
+
     from torch import nn
 
     from .comm.channel import Channel
@@ -43,12 +44,10 @@ class Checkpoints:
             checkpoint.mark_complete(directory, step, size)
             checkpoint.prune(where, keep=self.keep)
 
-    def save_model(self, model: nn.Module) -> None:
-        """``model.pt`` in the log dir (called on the first worker, after its last pull: the
-        servers' final values, and that worker's BatchNorm statistics)."""
-        if self.log_dir:
-            path = checkpoint.save_model(self.log_dir, model)
-            say(f"[psgrad] trained model: {path} (torch.load(..., weights_only=True))")
+    def save_model(self, model: nn.Module) -> Path | None:
+        """``model.pt`` in the log dir, or None without one (train.py saves the model rank 0
+        evaluated last)."""
+        return checkpoint.save_model(self.log_dir, model) if self.log_dir else None
 
 
 def load_resume(resume: str | None, *, transport: Channel, total: int) -> tuple[dict | None, int]:

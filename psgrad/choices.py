@@ -7,7 +7,7 @@ checks that it builds exactly ``MODEL_NAMES``.
 from __future__ import annotations
 
 MODEL_NAMES = ("alexnet", "convnet", "mlp", "resnet20", "resnet9", "wrn")
-DATASETS = ("synthetic", "proxy", "cifar10", "cifar100")
+DATASETS = ("synthetic", "proxy", "digits", "cifar10", "cifar100")
 FEEDBACKS = ("none", "ef", "dgc")
 MEMORY_FORMATS = ("auto", "channels-last", "contiguous")
 NONFINITE_POLICIES = ("abort", "skip")

@@ -209,6 +209,7 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
         f"({servers} serving, {layout.num_workers} working), topology "
         f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(ctx.layers)} messages/step), "
         f"data {ctx.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "
+        f"{f'down-codec {make_codec(cfg.down_codec).spec}, ' if cfg.down_codec != 'none' else ''}"
         f"steps {ctx.start}..{ctx.total} ({ctx.steps_per_epoch} per epoch)",
         file=sys.stderr,
     )

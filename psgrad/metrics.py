@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -120,6 +121,11 @@ def _cut_at(path: Path, start_step: int) -> list[str]:
     return header
 
 
+DIVERGED = 1000.0
+"""A training loss this many times the run's first step's says the run diverges (a loss that
+only spikes stays far below: a thousandfold is orders of magnitude, not noise)."""
+
+
 class MetricsLog:
     """Writes rows to ``log_dir`` (metrics.csv, eval.csv) and TensorBoard; shows a progress bar.
 
@@ -162,6 +168,8 @@ class MetricsLog:
             self.tb = tensorboard_writer(self.dir / "tb")
         self.bar = None
         self._recent: deque[float] = deque(maxlen=RATE_WINDOW + 1)  # the last rows' wall clocks
+        self.first_loss: float | None = None
+        self.diverged_at: int | None = None  # the first step whose loss was DIVERGED x the first's
         if progress:
             from tqdm import tqdm
 
@@ -179,6 +187,7 @@ class MetricsLog:
         row["epoch"] = (row["step"] + 1) / max(1, self.steps_per_epoch)  # epochs done after the step
         self.rows.append(row)
         self._write("metrics", row)
+        self._watch_divergence(row)
         if self.tb:
             for key in ("loss", "it_per_s", "bytes_up", "bytes_down", "lr"):
                 if key in row:
@@ -190,6 +199,21 @@ class MetricsLog:
                 refresh=False,
             )
             self.bar.update(1)
+
+    def _watch_divergence(self, row: dict) -> None:
+        """Say once when the loss has grown ``DIVERGED``-fold over the first step's: a run that
+        diverges without overflowing (a NaN stops it, docs/training.md) would otherwise end as if
+        it had trained."""
+        loss = row["loss"]
+        if self.first_loss is None:
+            self.first_loss = loss if math.isfinite(loss) and loss > 0 else None
+        elif self.diverged_at is None and loss > DIVERGED * self.first_loss:
+            self.diverged_at = row["step"]
+            say(
+                f"[psgrad] warning: the training loss is {loss:.3g} at step {row['step']}, over "
+                f"{DIVERGED:.0f}x the first step's {self.first_loss:.3g}: the run diverges (lower --lr, or warm "
+                "up with --warmup-epochs)"
+            )
 
     def _write(self, name: str, row: dict) -> None:
         """Append ``row`` to ``name``.csv, if logging; a failed write (a full disk) names the file."""

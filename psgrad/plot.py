@@ -33,8 +33,9 @@ def _read(path: Path, needed: tuple[str, ...]) -> list[dict[str, float]]:
 
 
 def run_label(log_dir: Path) -> str:
-    """The codec (and feedback) of the run's config.json and the folder's name; the name alone
-    when there is no readable config.json."""
+    """The codec (with its feedback, and the down-link's codec) of the run's config.json and the
+    folder's name, e.g. ``sign:bucket=32+ef, down qsgd:levels=16 (runs/a)``; the name alone when
+    there is no readable config.json."""
     config = log_dir / "config.json"
     try:
         cfg = json.loads(config.read_text())
@@ -43,7 +44,8 @@ def run_label(log_dir: Path) -> str:
     if not isinstance(cfg, dict):
         return log_dir.name
     fb = f"+{cfg['feedback']}" if cfg.get("feedback", "none") != "none" else ""
-    return f"{cfg.get('codec', '?')}{fb} ({log_dir.name})"
+    down = f", down {cfg['down_codec']}" if cfg.get("down_codec", "none") != "none" else ""
+    return f"{cfg.get('codec', '?')}{fb}{down} ({log_dir.name})"
 
 
 def matplotlib_problem(what: str) -> str | None:

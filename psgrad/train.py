@@ -126,15 +126,21 @@ def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callabl
     rows = role.finish()
     for evaluation in ctx.evaluations.take(block=True):
         log.evaluation(evaluation)
-    if ctx.rank == ctx.layout.worker_ranks[0]:  # its model holds the servers' last values after its last pull
-        ctx.checkpoints.save_model(ctx.model)
+    # model.pt is the model rank 0 evaluated last (the last step is always evaluated): the servers'
+    # final values with the workers' averaged BatchNorm statistics, so it scores what eval.csv says
+    saved = ctx.checkpoints.save_model(ctx.evaluations.model()) if ctx.rank == 0 else None
     result = RunResult(role.name, ctx.rank, ctx.total, params=role.params())
     if log:
         for row in rows:
             log.step(row)
         result.rows, result.evals = list(log.rows), log.evals
         log.close()
-        _summary(result, ctx.label, ctx.total - ctx.start)
+        _summary(result, ctx.label, ctx.total - ctx.start, diverged_at=log.diverged_at)
+        if saved is not None:  # after the progress bar and the summary, not in the middle of them
+            print(
+                f'[psgrad] trained model: {saved} (psgrad.load_model; docs/training.md, "What a run leaves behind")',
+                file=sys.stderr,
+            )
         if not ctx.cfg.log_dir:
             print("[psgrad] the trained model was not saved: --log-dir DIR keeps it (DIR/model.pt)", file=sys.stderr)
     return result
@@ -157,7 +163,7 @@ def _load_state(role, ctx: RunContext) -> None:
         ) from err
 
 
-def _summary(result: RunResult, label: str, steps: int) -> None:
+def _summary(result: RunResult, label: str, steps: int, *, diverged_at: int | None) -> None:
     rows = result.rows
     if not rows:
         return
@@ -165,7 +171,8 @@ def _summary(result: RunResult, label: str, steps: int) -> None:
     its = len(tail) / max(1e-9, sum(1 / r["it_per_s"] for r in tail))
     mb = sum(r["bytes_up"] + r["bytes_down"] for r in tail) / len(tail) / 1e6
     acc = f", test accuracy {result.evals[-1]['test_acc']:.4f}" if result.evals else ""
+    diverged = f" (diverged from step {diverged_at})" if diverged_at is not None else ""
     print(
-        f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4f}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
+        f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4g}{diverged}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
         file=sys.stderr,
     )

@@ -228,3 +228,42 @@ def test_the_complete_marker_is_written_whole_or_not_at_all(tmp_path, monkeypatc
     with pytest.raises(CheckpointError, match="COMPLETE: No space left on device"):
         checkpoint.mark_complete(other, 6, 3)
     assert list(other.iterdir()) == []
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_model_pt_scores_what_the_last_evaluation_said(tmp_path, topology):
+    """model.pt is the evaluated model: the servers' values with the workers' averaged BatchNorm
+    statistics (a worker's own statistics scored otherwise), loaded back by psgrad.load_model."""
+    import csv
+
+    from click.testing import CliRunner
+
+    from psgrad import load_model
+    from psgrad.cli import main
+    from psgrad.config import RunConfig
+    from psgrad.data import eval_batches
+    from psgrad.evaluation import evaluate
+    from psgrad.shards import load_split
+
+    log = tmp_path / "run"
+    options = ["simulate", "--workers", "2", "--topology", topology, "--model", "wrn", "--depth", "10"]
+    options += ["--widen-factor", "1", "--batch-size", "8", "--steps", "6", "--no-progress", "--log-dir", str(log)]
+    done = CliRunner().invoke(main, options)
+    assert done.exit_code == 0, done.output[-3000:]
+    # said once, by rank 0, after the progress bar and the summary (not amid them by another rank)
+    assert done.stderr.count("trained model:") == 1
+    assert done.stderr.index("[psgrad] done:") < done.stderr.index("trained model:"), done.stderr
+    with open(log / "eval.csv", newline="") as f:
+        last = list(csv.DictReader(f))[-1]
+    cfg = RunConfig.from_json((log / "config.json").read_text())
+    loss, accuracy = evaluate(
+        load_model(log), eval_batches(load_split(cfg, "test"), cfg.dataset), torch.nn.functional.cross_entropy
+    )
+    assert (loss, accuracy) == (pytest.approx(float(last["test_loss"]), rel=1e-6), float(last["test_acc"]))
+
+
+def test_load_model_names_what_is_missing(tmp_path):
+    from psgrad import load_model
+
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        load_model(tmp_path)

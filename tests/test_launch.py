@@ -35,6 +35,27 @@ def test_dry_run_four_nodes_of_four_gpus_with_mpich(tmp_path):
     assert " -n 16 " in lines[5] and " -ppn 4 " in lines[5] and lines[5].rstrip().endswith("train --device cuda")
 
 
+def test_the_hostfiles_slots_are_honoured_without_ranks_per_node(tmp_path):
+    """ "node0 slots=2" means two ranks there unless --ranks-per-node says otherwise; the dry run's
+    hostfile outlives it, since the command it prints names it."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu0 slots=2\ngpu1:3\ngpu2\n")
+    out = _launch("--dry-run", str(hosts), "6", "psgrad", "train")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1:4] == ["#   gpu0:2", "#   gpu1:3", "#   gpu2:1"] and "-ppn" not in lines[4]
+    translated = lines[0].split()[3]
+    assert Path(translated).read_text() == "gpu0:2\ngpu1:3\ngpu2:1\n"
+    Path(translated).unlink()
+    too_many = _launch("--dry-run", str(hosts), "7", "x")
+    assert too_many.returncode == 2 and "6 slots (the hostfile's slot counts" in too_many.stderr
+    replaced = _launch("--dry-run", "--ranks-per-node", "1", str(hosts), "4", "x")
+    assert replaced.returncode == 2 and "--ranks-per-node 1 replaces the hostfile's slot counts" in replaced.stderr
+    fake = _fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.3")
+    openmpi = _launch("--dry-run", str(hosts), "6", "x", launcher=fake)
+    assert "#   gpu1 slots=3" in openmpi.stdout and "--map-by slot" in openmpi.stdout
+
+
 @pytest.mark.parametrize("banner", ["mpiexec (OpenRTE) 4.1.5", "mpiexec (Open MPI) 5.0.3"])
 def test_dry_run_translates_to_open_mpi(tmp_path, banner):
     hosts = tmp_path / "hosts"
@@ -155,3 +176,24 @@ def test_setup_runs_pip_only_when_the_install_would_change(tmp_path):
     assert pip_calls() == [] and pip_calls("test") == []
     (venv / ".psgrad-installed").write_text("/elsewhere 0\nplot\nmpich\ntest\n")  # another checkout's
     assert len(pip_calls()) == 1
+
+
+def test_setup_takes_torch_from_the_index_asked_for(tmp_path):
+    """PSGRAD_TORCH_INDEX picks torch's build (PyPI's Linux wheel bundles CUDA); a venv without
+    torch gets it first, pinned (a venv whose python logs its ``-m`` calls and has no torch)."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = "-m" ] && {{ echo "$*" >> "{log}"; exit 0; }}\n'
+        'case "$2" in *find_spec*) exit 1;; *kernels_name*) echo "torch 0 | fake MPI | fake kernels"; exit 0;; esac\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    setup = Path(__file__).parent.parent / "launch" / "setup.sh"
+    url = "https://download.pytorch.org/whl/cpu"
+    done = run_bounded(["bash", str(setup)], 60, {"PSGRAD_VENV": str(venv), "PSGRAD_TORCH_INDEX": url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    torch_call = [call for call in log.read_text().splitlines() if "torch==" in call]
+    assert torch_call and torch_call[0].endswith(f"--index-url {url} torch==2.13.0"), torch_call

@@ -86,3 +86,17 @@ def test_skip_drops_the_updates_and_counts_them(skip_runs, topology, mode):
     assert len(rows) == 30 and sum(int(r["nonfinite"]) for r in rows) > 0
     model = torch.load(root / f"{topology}-{mode}" / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values()), "a skipped update reached the parameters"
+
+
+@pytest.mark.parametrize("lr,diverges", [("100", True), ("0.1", False)])
+def test_a_loss_that_grows_a_thousandfold_is_said_once(lr, diverges):
+    """A run that diverges without overflowing would otherwise end, status 0, as if it had trained."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "4", "--lr", lr, "--no-progress"]
+    done = CliRunner().invoke(main, options)
+    assert done.exit_code == 0, done.output[-3000:]
+    assert done.stderr.count("the run diverges") == (1 if diverges else 0), done.stderr
+    assert ("(diverged from step 1)" in done.stderr) == diverges

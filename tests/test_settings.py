@@ -132,3 +132,17 @@ def test_a_new_topology_is_one_file_and_one_registry_line(monkeypatch):
     TOPOLOGIES.pop("pair")
     unknown = CliRunner().invoke(main, args)
     assert unknown.exit_code == 2 and "'pair' is not one of" in unknown.output
+
+
+def test_workers_take_a_gpu_by_default_where_torch_sees_one(monkeypatch):
+    import torch
+
+    from psgrad.config import RunConfig
+    from psgrad.devices import worker_device
+
+    assert RunConfig().device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert worker_device(RunConfig().device, local_worker=3) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_device(RunConfig().device, local_worker=3) == torch.device("cpu")

@@ -343,7 +343,7 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
     misfit = CliRunner().invoke(main, [*again[:-3], "--steps", "9", "--feedback", "none", "--no-progress"])
-    assert misfit.exit_code == 1
+    assert misfit.exit_code == 4  # a checkpoint problem (runtime/exits.py): a restart would not help
     assert "does not fit this run's settings" in misfit.stderr and "--feedback ef -> none" in misfit.stderr
     assert "Traceback" not in misfit.stderr  # the one line says it all
     assert json.loads((run / "config.json").read_text())["feedback"] == "ef"  # the failed resume changed nothing
@@ -354,7 +354,7 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     nothing = CliRunner().invoke(main, ["simulate", "--workers", "2", "--resume", str(tmp_path / "empty")])
     assert nothing.exit_code == 2 and "no complete checkpoint" in nothing.output
     done_already = CliRunner().invoke(main, ["simulate", "--workers", "2", "--resume", str(run), "--no-progress"])
-    assert done_already.exit_code == 1 and "nothing left of 6 steps" in done_already.stderr
+    assert done_already.exit_code == 4 and "nothing left of 6 steps" in done_already.stderr
     assert "--steps 12" in done_already.stderr and "Traceback" not in done_already.stderr
 
 

@@ -871,7 +871,7 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
         left = sorted(p.name for p in (log / "ckpt-step10").iterdir()) if what == "checkpoint" else []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 4, proc.stderr[-3000:]  # a full disk (runtime/exits.py): a restart would not help
     assert all(line in proc.stderr for line in said) and "[psgrad rank 0] " in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 45, f"the job took {elapsed:.0f} s to end: the workers waited for the watchdog"
@@ -890,3 +890,60 @@ def test_two_ranks_under_the_ps_topology_say_they_train_on_one_worker():
     )
     assert colocated.returncode == 0, colocated.stderr[-3000:]
     assert "no data parallelism" not in colocated.stderr
+
+
+def test_the_start_up_line_and_the_plot_legend_name_the_down_link(tmp_path):
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+    from psgrad.plot import run_label
+
+    log = tmp_path / "both"
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress", "--codec", "sign"]
+    options += ["--feedback", "ef", "--down-codec", "qsgd:levels=16", "--log-dir", str(log)]
+    done = CliRunner().invoke(main, options)
+    assert done.exit_code == 0, done.output[-3000:]
+    assert "feedback ef, down-codec qsgd:levels=16" in done.stderr, done.stderr
+    assert run_label(log).startswith("sign+ef, down qsgd:levels=16 (both)")
+
+
+def test_digits_are_real_images_split_once_for_every_seed():
+    train, test = load_dataset("digits", "train", seed=0), load_dataset("digits", "test", seed=5)
+    assert train.images.shape == (1437, 3, 32, 32) and test.images.shape == (360, 3, 32, 32)
+    assert train.images.dtype == np.uint8 and set(np.unique(train.labels)) == set(range(10))
+    assert np.array_equal(load_dataset("digits", "test", seed=0).images, test.images), "the split is fixed"
+    blocks = train.images[:, 0].reshape(-1, 8, 4, 8, 4)
+    assert (blocks == blocks[:, :, :1, :, :1]).all(), "each of the 8x8 pixels is a 4x4 block"
+    # the two splits share no image (the UCI set has a few duplicates: compare indices, not pixels)
+    assert len(train.labels) + len(test.labels) == 1797
+
+
+def test_digits_need_scikit_learn_and_say_so(monkeypatch):
+    import importlib.util
+
+    from psgrad.data import digits
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install 'psgrad\[digits\]'"):
+        digits.load_digits("train")
+
+
+def test_augmentation_without_flips_only_crops():
+    images = torch.arange(2 * 3 * 4 * 4, dtype=torch.uint8).reshape(2, 3, 4, 4).repeat(32, 1, 1, 1)
+    same = augment(images, torch.Generator().manual_seed(0), pad=0, flip=False)
+    flipped = augment(images, torch.Generator().manual_seed(0), pad=0)
+    assert torch.equal(same, images)
+    mirrored = [torch.equal(f, i.flip(-1)) for f, i in zip(flipped, images, strict=True)]
+    assert any(mirrored) and all(m or torch.equal(f, i) for m, f, i in zip(mirrored, flipped, images, strict=True))
+
+
+def test_a_short_run_learns_the_digits(tmp_path):
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--dataset", "digits", "--epochs", "3"]
+    done = CliRunner().invoke(main, [*options, "--no-progress", "--log-dir", str(tmp_path / "run")])
+    assert done.exit_code == 0, done.output[-3000:]
+    accuracy = float(done.stderr.split("test accuracy ")[1].split(" ")[0])
+    assert accuracy > 0.5, done.stderr[-2000:]  # chance is 0.1

@@ -39,7 +39,7 @@ class _Commands(click.Group):
 
 EXIT_STATUS = (
     "Exit status: 0 when the command did its work; 1 when it failed (the failing rank printed its error); 3 when a "
-    "gradient was not finite and 4 when a checkpoint could not be written or resumed from (each would fail again "
+    "gradient was not finite and 4 when a checkpoint could not be written or resumed from or the disk was full (each would fail again "
     "if started again: launch/mpirun.sh --max-restarts does not restart them); 2 for a "
     "usage error (an option set to a value of its own where the run would not use it is one: --depth with --model "
     "mlp, --staleness without --mode async), settings the ranks do not agree on or unreadable data (said once, "

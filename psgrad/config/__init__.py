@@ -173,7 +173,7 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
 
     @property
     def num_classes(self) -> int:
-        return {"cifar10": 10, "cifar100": 100}.get(self.dataset, self.synthetic_classes)
+        return {"cifar10": 10, "cifar100": 100, "digits": 10}.get(self.dataset, self.synthetic_classes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

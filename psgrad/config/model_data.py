@@ -66,7 +66,7 @@ class ModelDataSettings:
         "synthetic",
         section=MODEL_AND_DATA,
         choices=DATASETS,
-        help="Training data. synthetic and proxy are generated from --seed: synthetic is easy (dense reaches 100 % in a few epochs), proxy is the harder accuracy proxy for comparing codecs (docs/training.md).",
+        help="Training data. synthetic and proxy are generated from --seed: synthetic is easy (dense reaches 100 % in a few epochs), proxy is the harder accuracy proxy for comparing codecs (docs/training.md); digits is real handwritten digits (scikit-learn's copy of the UCI set: pip install 'psgrad[digits]'), the second dataset accuracy claims are checked on.",
     )
     data_dir: str = setting(
         "data",
@@ -75,7 +75,7 @@ class ModelDataSettings:
         unused=(
             unless(
                 lambda cfg: cfg.dataset in ("cifar10", "cifar100"),
-                "--data-dir holds the CIFAR archives: --dataset {cfg.dataset} is generated, not read",
+                "--data-dir holds the CIFAR archives: --dataset {cfg.dataset} does not read it",
             ),
         ),
         help="--dataset cifar10 or cifar100: directory with the CIFAR python archives (extracted or .tar.gz).",
@@ -103,5 +103,5 @@ class ModelDataSettings:
     augment: bool = setting(
         True,
         section=MODEL_AND_DATA,
-        help="Random crop (4-pixel padding) and horizontal flip.",
+        help="Random crop (4-pixel padding) and horizontal flip (no flip for digits: a mirrored digit is another symbol).",
     )

@@ -81,10 +81,10 @@ class SystemSettings:
     """Device, threads, seed and time-out."""
 
     device: str = setting(
-        "cpu",
+        "auto",
         section=SYSTEM,
         choices=("auto", "cpu", "cuda"),
-        help="Worker device; cuda puts each worker on cuda:<its index among its node's workers> (servers stay on the CPU).",
+        help="Worker device; cuda puts each worker on cuda:<its index among its node's workers> (servers stay on the CPU); auto: cuda where torch sees a GPU, else the CPU.",
     )
     threads: int = setting(
         1,

@@ -15,7 +15,7 @@ USAGE = 2
 NONFINITE = 3
 """A gradient that was not finite (psgrad/comm/protocol.py, NonFiniteError)."""
 CHECKPOINT = 4
-"""A checkpoint that could not be written (a full disk) or resumed from."""
+"""A checkpoint that could not be written or resumed from, or a full disk under the log dir."""
 GAVE_UP = 5
 """``--max-restarts K``: the job failed again after K restarts."""
 NO_CHECKPOINT = 6
@@ -25,5 +25,5 @@ NO_CHECKPOINT = 6
 WOULD_FAIL_AGAIN = {
     USAGE: "a usage error",
     NONFINITE: "a gradient that was not finite",
-    CHECKPOINT: "a checkpoint problem",
+    CHECKPOINT: "a checkpoint problem or a full disk",
 }

@@ -27,7 +27,7 @@ def exit_status(err: BaseException) -> int:
     ``CHECKPOINT``; runtime/exits.py)."""
     if isinstance(err, NonFiniteError):
         return NONFINITE
-    if isinstance(err, checkpoint.CheckpointError):
+    if isinstance(err, checkpoint.CheckpointError) or _disk_full(err):  # a full disk stays full
         return CHECKPOINT
     return FAILED
 
