@@ -64,7 +64,15 @@ def test_a_combination_at_parity_on_the_proxy_that_trails_off_it_gets_a_note_nam
         and "0.96x on a held-out" in note
     )
     at_parity_on_both = RunConfig(codec="powersgd:rank=8", topology="colocated")
-    assert measured(at_parity_on_both).held_out >= 0.98 and accuracy_note(at_parity_on_both) is None
+    found = measured(at_parity_on_both)
+    assert found.held_out >= 0.98 and found.digits >= 0.98 and accuracy_note(at_parity_on_both) is None
+
+
+def test_a_note_names_the_digits_where_they_were_measured():
+    """psgrad's own second dataset: top-k with a dense down-link trailed there too."""
+    note = accuracy_note(RunConfig(codec="topk:ratio=0.01", feedback="ef"))
+    assert note is not None and "0.96x on real handwritten digits (--dataset digits, 3 seeds)" in note
+    assert measured(RunConfig(codec="topk:ratio=0.01", feedback="ef")).trails
 
 
 def test_every_entry_names_a_real_codec_and_a_docs_section():
@@ -76,6 +84,7 @@ def test_every_entry_names_a_real_codec_and_a_docs_section():
         assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
         assert entry.topology in ("", *TOPOLOGIES), entry
         assert entry.held_out is None or 0 < entry.held_out <= 1.1, entry
+        assert entry.digits is None or 0 < entry.digits <= 1.1, entry
     assert measured(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=16")).of_dense >= PARITY
 
 
@@ -92,7 +101,7 @@ def test_the_bench_default_rows_were_measured_at_parity():
     for row in rows:
         _, cfg = item_config(row, RunConfig())
         found = measured(cfg)
-        assert found is not None and not found.trails and found.held_out is not None, row
+        assert found is not None and not found.trails and found.held_out is not None and found.digits is not None, row
 
 
 def test_local_steps_are_measured_apart_from_the_per_step_codecs():
