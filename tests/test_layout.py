@@ -90,7 +90,7 @@ FLOORS = [
     (4, ["psgrad.engine"]),
     (5, sorted(ROLE_ENGINES)),
     (6, ["psgrad.train", "psgrad.sim.simulate", "psgrad.userloop"]),
-    (7, ["psgrad.options", "psgrad.plot"]),
+    (7, ["psgrad.options", "psgrad.plot", "psgrad.plan"]),
     (8, ["psgrad.bench"]),
     (9, ["psgrad.cli", "psgrad.clidoc", "psgrad.runtime.job"]),
     (4, ["psgrad.runtime.failure"]),

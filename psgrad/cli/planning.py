@@ -1,0 +1,175 @@
+"""``psgrad plan``: the cost model's predicted step (psgrad/plan.py) over workers and links."""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+from ..choices import MODEL_NAMES
+from .group import main
+
+
+def _numbers(kind: type, what: str):
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> tuple:
+        try:
+            items = tuple(kind(item) for item in value.split(",") if item.strip())
+        except ValueError:
+            raise click.BadParameter(f"a comma-separated list of {what}, got {value!r}") from None
+        if not items or min(items) <= 0:
+            raise click.BadParameter(f"a comma-separated list of positive {what}, got {value!r}")
+        return items
+
+    return parse
+
+
+def _rates(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    from ..bench.netshape import parse_rate
+
+    try:
+        return tuple(parse_rate(item) for item in value.split(",") if item.strip())
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _matrices(text: str) -> list[tuple[int, ...]]:
+    """``COUNTxMxN,...`` (e.g. ``96x2048x2048,48x2048x8192``) as that many (M, N) shapes."""
+    shapes: list[tuple[int, ...]] = []
+    for item in text.split(","):
+        count, *dims = (int(part) for part in item.strip().lower().split("x"))
+        if len(dims) != 2 or count < 1 or min(dims) < 1:
+            raise ValueError(item)
+        shapes += [tuple(dims)] * count
+    return shapes
+
+
+def _shapes(model: str, depth: int, widen_factor: int, classes: int, matrices: str | None, vectors: int) -> list:
+    if matrices is None:
+        from ..models import build_model
+
+        built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
+        return [tuple(p.shape) for p in built.parameters()]
+    try:
+        shapes = _matrices(matrices)
+    except ValueError as err:
+        raise click.BadParameter(
+            f"COUNTxMxN items, e.g. 96x2048x2048,48x2048x8192, got {err}", param_hint="--matrices"
+        ) from None
+    return [*shapes, (vectors,)] if vectors else shapes
+
+
+@main.command()
+@click.option("--model", type=click.Choice(MODEL_NAMES), default="wrn", help="psgrad's model whose layers travel.")
+@click.option("--depth", type=int, default=16, help="--model wrn: its depth.")
+@click.option("--widen-factor", type=int, default=4, help="--model wrn: its width.")
+@click.option("--classes", type=int, default=100, help="The model's output classes.")
+@click.option(
+    "--matrices",
+    default=None,
+    help="Layers of a model psgrad does not build, as COUNTxMxN items, e.g. 96x2048x2048,48x2048x8192 "
+    "(a 24-layer transformer of width 2048); replaces --model.",
+)
+@click.option(
+    "--vector-params", type=int, default=0, help="With --matrices: parameters in 1-D tensors (biases, norms)."
+)
+@click.option("--codec", default="none", show_default=True, help="The up-link codec spec (psgrad codecs --list).")
+@click.option("--down-codec", default="none", show_default=True, help="The down-link codec spec (none: dense values).")
+@click.option(
+    "--topology",
+    type=click.Choice(("ps", "colocated", "alltoall", "ring", "ddp", "ddp-powersgd")),
+    default="colocated",
+    show_default=True,
+    help="psgrad's topologies, torch DDP's ring all-reduce, or DDP with its PowerSGD hook (--codec powersgd:rank=R).",
+)
+@click.option(
+    "--workers", default="2", show_default=True, callback=_numbers(int, "worker counts"), help="Workers, e.g. 2,4,8."
+)
+@click.option("--servers", type=int, default=1, show_default=True, help="--topology ps: server ranks.")
+@click.option(
+    "--bandwidth",
+    default="100mbit,10mbit,1mbit",
+    show_default=True,
+    callback=_rates,
+    help="Each link's rate, one or more (tc's units: kbit, mbit, gbit).",
+)
+@click.option(
+    "--rtt-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Round-trip time of a link, ms (modelled: this machine's links cannot add delay, so it is not measured).",
+)
+@click.option(
+    "--step-ms",
+    type=float,
+    required=True,
+    help="The compute-only step of one worker, ms (psgrad bench --baselines compute measures it: 1000 / its it/s).",
+)
+@click.option("--local-steps", type=int, default=1, show_default=True, help="Exchange every H-th step (--local-steps).")
+@click.option("--overlap-exchange", is_flag=True, help="With --local-steps: the exchange runs beside the next steps.")
+@click.option(
+    "--code-gbps",
+    type=float,
+    default=None,
+    help="The codecs' round-trip rate, GB/s of fp32 gradient [default: what psgrad codecs measured on the development VM].",
+)
+def plan(
+    model: str,
+    depth: int,
+    widen_factor: int,
+    classes: int,
+    matrices: str | None,
+    vector_params: int,
+    codec: str,
+    down_codec: str,
+    topology: str,
+    workers: tuple[int, ...],
+    servers: int,
+    bandwidth: tuple[int, ...],
+    rtt_ms: float,
+    step_ms: float,
+    local_steps: int,
+    overlap_exchange: bool,
+    code_gbps: float | None,
+) -> None:
+    """Predict a step's time on links you do not have: a cost model of the bytes on the busiest
+    link, round trips, coding and overlap, validated on this machine's shaped runs (docs/planning.md, "How well it predicts")."""
+    from ..codecs import make_codec
+    from ..plan import Scenario
+    from ..plan import plan as predict
+
+    try:
+        for spec in (codec, down_codec):
+            make_codec(spec)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    if step_ms <= 0 or local_steps < 1 or servers < 1:
+        raise click.UsageError("--step-ms, --local-steps and --servers must be positive")
+    rtt = rtt_ms
+    shapes = _shapes(model, depth, widen_factor, classes, matrices, vector_params)
+    params = sum(math.prod(shape) for shape in shapes)
+    click.echo(
+        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:g} ms a "
+        f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}{' overlapped' if overlap_exchange else ''}"
+    )
+    click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
+    for n in workers:
+        for rate in bandwidth:
+            result = predict(
+                Scenario(
+                    shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
+                    servers=servers, bandwidth_bps=rate, rtt_s=rtt / 1e3, compute_s=step_ms / 1e3,
+                    local_steps=local_steps, overlap_exchange=overlap_exchange, code_gbps=code_gbps,
+                )
+            )  # fmt: skip
+            click.echo(
+                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {result.utilisation:>9.2f}  "
+                f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
+            )
+
+
+def _rate(bits: int) -> str:
+    for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:g} {unit}"
+    return f"{bits} bit/s"

@@ -1,0 +1,203 @@
+"""A cost model of one training step (``psgrad plan``): how long a step takes on links of a given
+bandwidth and round-trip time, which link is the busiest, and what limits the step.
+
+For a model's layer shapes, a codec (and down-link codec), a topology, N workers, a link
+(bandwidth, RTT), the compute-only step time ``compute_s`` and local steps H:
+
+1. Bytes a worker sends up per step, ``up``: each layer's coded message (``wire.max_message_bytes``;
+   1-D parameters dense, in one bucket), and the bytes it receives back, ``down``: the down-link
+   codec's messages, dense values without one, or PowerSGD's summed factors (as many as it sent).
+2. Bytes on the busiest link, per direction (links are full duplex):
+   - ``ps`` (S servers): a server's link carries N/S of every worker's up (in) and down (out);
+   - ``colocated``: every rank serves 1/N of the layers and works: it sends (N-1)/N of its up and
+     the replies of its shard to N-1 workers, (N-1)/N x down;
+   - ``alltoall``: every rank sends its whole coded gradient to N-1 ranks (an all-gather);
+   - ``ring`` (gossip): every rank sends its coded model change to its two neighbours;
+   - ``ddp``: torch's ring all-reduce of the fp32 gradient, 2(N-1)/N x 4 bytes an element;
+   - ``ddp-powersgd``: the same all-reduce of PowerSGD's P and Q factors (and the dense vectors).
+3. Link time: the busiest direction's bits over ``bandwidth x efficiency`` (1: the shaped runs
+   here moved a step's bytes at the full rate).
+4. Latency: message rounds x RTT a step: 1 for a one-round codec through servers, 2 for
+   PowerSGD's two rounds; a ring all-reduce's 2(N-1) hops cost (N-1) RTT, twice for PowerSGD's
+   two all-reduces; gossip one one-way trip.
+5. Coding: the worker encodes its gradient and decodes the reply, 4 bytes an element at each
+   codec's measured round-trip rate (``CODE_GBPS``, what ``psgrad codecs`` measures; the reply's
+   codec is the down-link's, PowerSGD's own for PowerSGD, none for dense values).
+6. The step: per-step exchanges overlap the link with the part of compute they run beside
+   (``overlap`` x compute; ``overlap_of``: psgrad's pushes from backward hooks and pulls before
+   each layer's forward hide most of a step, fitted on this machine's shaped runs; torch DDP's
+   PowerSGD hook, its gradients in one bucket, none; plain DDP, an assumption, half); what is left shows:
+   ``compute + coding + max(0, link - overlap x compute) + latency``. With H local steps the
+   exchange comes every H-th step and waits: ``compute + (coding + link + latency) / H``; with
+   ``overlap_exchange`` it runs beside the next H - 1 steps: ``compute + (coding + max(0, link +
+   latency - (H-1) x compute)) / H``.
+7. psgrad adds its own bookkeeping, ``PSGRAD_OVERHEAD`` x compute a step (``overhead``).
+8. Utilisation is compute / step; the bottleneck is the largest cost beside compute (link,
+   latency, coding or psgrad's overhead), or compute itself when none reaches a tenth of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .codecs import make_codec
+from .comm import wire
+
+TOPOLOGIES = ("ps", "colocated", "alltoall", "ring", "ddp", "ddp-powersgd")
+
+CODE_GBPS = {"none": math.inf, "fp16": 12.0, "sign": 10.6, "topk": 6.9, "qsgd": 2.4, "powersgd": 1.7}
+"""Round-trip (encode + decode) GB/s of the fp32 gradient at 4 M elements on the development VM
+(docs/benchmarks.md, "Codec speed"); others 2.0. A GPU codes faster: pass ``code_gbps``."""
+
+DEFAULT_CODE_GBPS = 2.0
+
+EFFICIENCY = 1.0
+"""Fraction of a link's rate that a step's traffic reaches."""
+
+OVERLAP = {"ddp": 0.5, "ddp-powersgd": 0.0}
+"""Fraction of the compute-only step that a per-step exchange runs beside: psgrad's
+(``PSGRAD_OVERLAP``) fitted on the shaped runs here (docs/planning.md, "How well it predicts"); DDP with
+the PowerSGD hook, whose one bucket is reduced after backward, none; plain DDP's buckets, reduced
+during backward, half (assumed, not measured)."""
+
+PSGRAD_OVERLAP = 0.85
+
+PSGRAD_OVERHEAD = 0.08
+"""psgrad's own cost a step beside compute, coding and the link (its hooks, messages and
+bookkeeping in Python), as a fraction of the compute-only step: fitted on the 100 Mbit/s runs
+here, where the link is nearly free. DDP's is taken as none."""
+
+
+def overlap_of(topology: str) -> float:
+    """``OVERLAP`` of a topology (psgrad's own: ``PSGRAD_OVERLAP``)."""
+    return OVERLAP.get(topology, PSGRAD_OVERLAP)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What ``plan`` costs: see the module docstring for each field's role."""
+
+    shapes: Sequence[tuple[int, ...]]
+    codec: str = "none"
+    down_codec: str = "none"
+    topology: str = "ps"
+    workers: int = 2
+    servers: int = 1
+    bandwidth_bps: float = 100e6
+    rtt_s: float = 0.0
+    compute_s: float = 0.1
+    local_steps: int = 1
+    overlap_exchange: bool = False
+    code_gbps: float | None = None
+    efficiency: float = EFFICIENCY
+    overlap: float | None = None  # None: ``overlap_of(topology)``
+    overhead: float | None = None  # None: ``PSGRAD_OVERHEAD`` for psgrad's topologies, 0 for DDP
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A step's predicted time and its parts, in seconds; ``link_bytes`` on the busiest link's
+    busier direction per exchange."""
+
+    step_s: float
+    link_bytes: float
+    utilisation: float
+    bottleneck: str
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+def _elements(shapes: Sequence[tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def _matrices(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return [shape for shape in shapes if len(shape) > 1]
+
+
+def _vector_elements(shapes: Sequence[tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in shapes if len(shape) <= 1)
+
+
+def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
+    """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: each matrix coded, the
+    1-D parameters dense in one bucket (psgrad's default)."""
+    vectors = _vector_elements(shapes)
+    dense = float(wire.max_message_bytes("none", (vectors,))) if vectors else 0.0
+    return dense + sum(float(wire.max_message_bytes(spec, shape)) for shape in _matrices(shapes))
+
+
+def _rounds(spec: str) -> int:
+    return 2 if make_codec(spec).name == "powersgd" else 1
+
+
+def link_bytes(s: Scenario) -> float:
+    """Bytes on the busiest link's busier direction per exchange (module docstring, 1-2)."""
+    n = s.workers
+    if s.topology == "ddp":
+        return 2 * (n - 1) / n * 4 * _elements(s.shapes)
+    if s.topology == "ddp-powersgd":
+        return 2 * (n - 1) / n * coded_bytes(s.codec, s.shapes)
+    up = coded_bytes(s.codec, s.shapes)
+    if _rounds(s.codec) == 2:  # the servers send back the summed factors
+        down = up
+    else:
+        down = 4.0 * _elements(s.shapes) if s.down_codec == "none" else coded_bytes(s.down_codec, s.shapes)
+    if s.topology == "ps":
+        return max(n * up, n * down) / s.servers
+    if s.topology == "colocated":
+        return (n - 1) / n * (up + down)
+    if s.topology == "alltoall":
+        return (n - 1) * up
+    if s.topology == "ring":
+        return 2 * up
+    raise ValueError(f"unknown topology {s.topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+
+
+def latency_s(s: Scenario) -> float:
+    """Round trips a step waits for (module docstring, 4)."""
+    n = s.workers
+    if s.topology in ("ddp", "ddp-powersgd"):
+        return (n - 1) * s.rtt_s * (2 if s.topology == "ddp-powersgd" else 1)
+    if s.topology == "ring":
+        return s.rtt_s / 2
+    return _rounds(s.codec) * s.rtt_s
+
+
+def _code_rate(spec: str, given: float | None) -> float:
+    return given if given is not None else CODE_GBPS.get(make_codec(spec).name, DEFAULT_CODE_GBPS)
+
+
+def coding_s(s: Scenario) -> float:
+    """A worker's coding per exchange: its gradient up, the reply down (module docstring, 5)."""
+    if s.topology == "ddp":
+        return 0.0
+    reply = s.codec if _rounds(s.codec) == 2 or s.topology in ("alltoall", "ring") else s.down_codec
+    rates = (_code_rate(s.codec, s.code_gbps), _code_rate(reply, s.code_gbps if reply != "none" else None))
+    return sum(0.0 if math.isinf(rate) else 4 * _elements(s.shapes) / (rate * 1e9) for rate in rates)
+
+
+def plan(s: Scenario) -> Plan:
+    """The predicted step of scenario ``s`` (module docstring, 6-8)."""
+    if s.workers < 1 or s.local_steps < 1 or s.bandwidth_bps <= 0 or s.compute_s <= 0:
+        raise ValueError("workers, local steps, bandwidth and compute time must be positive")
+    moved = link_bytes(s)
+    link = moved * 8 / (s.bandwidth_bps * s.efficiency)
+    latency, coding, h = latency_s(s), coding_s(s), s.local_steps
+    if h == 1:
+        overlap = overlap_of(s.topology) if s.overlap is None else s.overlap
+        exposed_link = max(0.0, link - overlap * s.compute_s)
+        parts = {"compute": s.compute_s, "coding": coding, "link": exposed_link, "latency": latency}
+    elif s.overlap_exchange:
+        waited = max(0.0, link + latency - (h - 1) * s.compute_s) / h
+        share = waited / (link + latency) if link + latency > 0 else 0.0
+        parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": latency * share}
+    else:
+        parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": latency / h}
+    overhead = s.overhead if s.overhead is not None else (0.0 if s.topology.startswith("ddp") else PSGRAD_OVERHEAD)
+    parts["overhead"] = overhead * s.compute_s
+    step = sum(parts.values())
+    extra = max((name for name in parts if name != "compute"), key=parts.get)
+    bottleneck = extra if parts[extra] >= 0.1 * s.compute_s else "compute"
+    return Plan(step, moved, s.compute_s / step, bottleneck, parts)
