@@ -116,6 +116,7 @@ class RunContext:
         transport.check_tag(layer_tag(len(layers)))
         data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
         resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
+        schedule = {"every": cfg.checkpoint_every, "keep": cfg.keep_checkpoints}  # of the checkpoints
         ctx = cls(
             cfg=cfg,
             transport=transport,
@@ -129,13 +130,7 @@ class RunContext:
             start=start,
             device=device,
             evaluations=Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data),
-            checkpoints=Checkpoints(
-                cfg.log_dir,
-                transport=transport,
-                every=cfg.checkpoint_every,
-                total=data.total,
-                keep=cfg.keep_checkpoints,
-            ),
+            checkpoints=Checkpoints(cfg.log_dir, transport=transport, total=data.total, **schedule),
             loader=data.loader,
             resume=resume,
             optimizer_fn=optimizer_fn,

@@ -39,13 +39,11 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .codecs import make_codec
 from .comm import wire
-
-TOPOLOGIES = ("ps", "colocated", "alltoall", "ring", "ddp", "ddp-powersgd")
 
 CODE_GBPS = {"none": math.inf, "fp16": 12.0, "sign": 10.6, "topk": 6.9, "qsgd": 2.4, "powersgd": 1.7}
 """Round-trip (encode + decode) GB/s of the fp32 gradient at 4 M elements on the development VM
@@ -132,49 +130,75 @@ def _rounds(spec: str) -> int:
     return 2 if make_codec(spec).name == "powersgd" else 1
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """How a topology exchanges a step (module docstring, 2 and 4)."""
+
+    busiest: Callable[[int, int, float, float], float]  # (workers, servers, up, down) -> bytes
+    round_trips: Callable[[int, int], float]  # (workers, the codec's rounds) -> RTTs a step
+    reply_coded: bool  # whether the reply is the codec's own (no down-link of its own)
+    all_reduce: bool = False  # torch DDP: its own ring, no psgrad bookkeeping
+
+
+def _ring_all_reduce(n: int, coded: float) -> float:
+    return 2 * (n - 1) / n * coded
+
+
+EXCHANGES = {
+    "ps": Exchange(lambda n, servers, up, down: n * max(up, down) / servers, lambda n, rounds: rounds, False),
+    "colocated": Exchange(lambda n, servers, up, down: (n - 1) / n * (up + down), lambda n, rounds: rounds, False),
+    "alltoall": Exchange(lambda n, servers, up, down: (n - 1) * up, lambda n, rounds: rounds, True),
+    "ring": Exchange(lambda n, servers, up, down: 2 * up, lambda n, rounds: 0.5, True),
+    "ddp": Exchange(lambda n, servers, up, down: _ring_all_reduce(n, up), lambda n, rounds: n - 1, True, True),
+    "ddp-powersgd": Exchange(
+        lambda n, servers, up, down: _ring_all_reduce(n, up), lambda n, rounds: rounds * (n - 1), True, True
+    ),
+}
+"""Each topology ``plan`` knows: psgrad's, and torch DDP's for comparison."""
+
+TOPOLOGIES = tuple(EXCHANGES)
+
+
+def exchange_of(topology: str) -> Exchange:
+    if topology not in EXCHANGES:
+        raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+    return EXCHANGES[topology]
+
+
+def _reply(s: Scenario) -> str:
+    """The codec of what a worker receives back: its own codec's (PowerSGD's summed factors, an
+    all-gather's or a ring's messages), else the down-link's."""
+    return s.codec if _rounds(s.codec) == 2 or exchange_of(s.topology).reply_coded else s.down_codec
+
+
 def link_bytes(s: Scenario) -> float:
     """Bytes on the busiest link's busier direction per exchange (module docstring, 1-2)."""
-    n = s.workers
-    if s.topology == "ddp":
-        return 2 * (n - 1) / n * 4 * _elements(s.shapes)
-    if s.topology == "ddp-powersgd":
-        return 2 * (n - 1) / n * coded_bytes(s.codec, s.shapes)
-    up = coded_bytes(s.codec, s.shapes)
-    if _rounds(s.codec) == 2:  # the servers send back the summed factors
-        down = up
-    else:
-        down = 4.0 * _elements(s.shapes) if s.down_codec == "none" else coded_bytes(s.down_codec, s.shapes)
-    if s.topology == "ps":
-        return max(n * up, n * down) / s.servers
-    if s.topology == "colocated":
-        return (n - 1) / n * (up + down)
-    if s.topology == "alltoall":
-        return (n - 1) * up
-    if s.topology == "ring":
-        return 2 * up
-    raise ValueError(f"unknown topology {s.topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+    exchange = exchange_of(s.topology)
+    # torch's all-reduce moves raw fp32, without psgrad's message headers
+    plain = exchange.all_reduce and s.codec == "none"
+    up = 4.0 * _elements(s.shapes) if plain else coded_bytes(s.codec, s.shapes)
+    reply = _reply(s)
+    down = 4.0 * _elements(s.shapes) if reply == "none" else coded_bytes(reply, s.shapes)
+    return exchange.busiest(s.workers, s.servers, up, down)
 
 
 def latency_s(s: Scenario) -> float:
     """Round trips a step waits for (module docstring, 4)."""
-    n = s.workers
-    if s.topology in ("ddp", "ddp-powersgd"):
-        return (n - 1) * s.rtt_s * (2 if s.topology == "ddp-powersgd" else 1)
-    if s.topology == "ring":
-        return s.rtt_s / 2
-    return _rounds(s.codec) * s.rtt_s
+    return exchange_of(s.topology).round_trips(s.workers, _rounds(s.codec)) * s.rtt_s
 
 
 def _code_rate(spec: str, given: float | None) -> float:
-    return given if given is not None else CODE_GBPS.get(make_codec(spec).name, DEFAULT_CODE_GBPS)
+    """GB/s ``spec`` codes at: ``given``, else ``CODE_GBPS``; dense values are not coded."""
+    name = make_codec(spec).name
+    if name == "none":
+        return math.inf
+    return given if given is not None else CODE_GBPS.get(name, DEFAULT_CODE_GBPS)
 
 
 def coding_s(s: Scenario) -> float:
     """A worker's coding per exchange: its gradient up, the reply down (module docstring, 5)."""
-    if s.topology == "ddp":
-        return 0.0
-    reply = s.codec if _rounds(s.codec) == 2 or s.topology in ("alltoall", "ring") else s.down_codec
-    rates = (_code_rate(s.codec, s.code_gbps), _code_rate(reply, s.code_gbps if reply != "none" else None))
+    reply = _reply(s)
+    rates = (_code_rate(s.codec, s.code_gbps), _code_rate(reply, s.code_gbps))
     return sum(0.0 if math.isinf(rate) else 4 * _elements(s.shapes) / (rate * 1e9) for rate in rates)
 
 
@@ -195,7 +219,8 @@ def plan(s: Scenario) -> Plan:
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": latency * share}
     else:
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": latency / h}
-    overhead = s.overhead if s.overhead is not None else (0.0 if s.topology.startswith("ddp") else PSGRAD_OVERHEAD)
+    own = 0.0 if exchange_of(s.topology).all_reduce else PSGRAD_OVERHEAD
+    overhead = s.overhead if s.overhead is not None else own
     parts["overhead"] = overhead * s.compute_s
     step = sum(parts.values())
     extra = max((name for name in parts if name != "compute"), key=parts.get)

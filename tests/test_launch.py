@@ -145,20 +145,28 @@ def test_workers_count_gpus_among_workers_only():
     assert sorted(re.findall(r"rank (\d) index (\d)", out.stdout)) == [("0", "0"), ("1", "0"), ("2", "1")], out.stdout
 
 
+def _fake_venv(tmp_path: Path, *, has_torch: bool) -> tuple[Path, Path]:
+    """A venv whose python logs its ``-m`` calls (to the returned log) and runs nothing of them,
+    answers setup.sh's final check, and finds torch or not."""
+    venv, log = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    no_torch = "*find_spec*) exit 1;; " if not has_torch else ""
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = "-m" ] && {{ echo "$*" >> "{log}"; exit 0; }}\n'
+        f'case "$2" in {no_torch}*kernels_name*) echo "torch 0 | fake MPI | fake codec kernels"; exit 0;; esac\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    return venv, log
+
+
 def test_setup_runs_pip_only_when_the_install_would_change(tmp_path):
     """launch/setup.sh again is quick: pip runs on the first call and when more extras are asked
     for, not when nothing it installs from changed; psgrad's byte-code is brought up to date every
     time (a venv whose python only logs its ``-m`` calls)."""
-    venv, log = tmp_path / "venv", tmp_path / "calls"
-    (venv / "bin").mkdir(parents=True)
-    fake = venv / "bin" / "python"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'[ "$1" = "-m" ] && {{ echo "$*" >> "{log}"; exit 0; }}\n'
-        'case "$2" in *kernels_name*) echo "torch 0 | fake MPI | fake codec kernels"; exit 0;; esac\n'
-        f'exec "{sys.executable}" "$@"\n'
-    )
-    fake.chmod(0o755)
+    venv, log = _fake_venv(tmp_path, has_torch=True)
     setup = Path(__file__).parent.parent / "launch" / "setup.sh"
 
     def pip_calls(*args: str) -> list[str]:
@@ -181,16 +189,7 @@ def test_setup_runs_pip_only_when_the_install_would_change(tmp_path):
 def test_setup_takes_torch_from_the_index_asked_for(tmp_path):
     """PSGRAD_TORCH_INDEX picks torch's build (PyPI's Linux wheel bundles CUDA); a venv without
     torch gets it first, pinned (a venv whose python logs its ``-m`` calls and has no torch)."""
-    venv, log = tmp_path / "venv", tmp_path / "calls"
-    (venv / "bin").mkdir(parents=True)
-    fake = venv / "bin" / "python"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'[ "$1" = "-m" ] && {{ echo "$*" >> "{log}"; exit 0; }}\n'
-        'case "$2" in *find_spec*) exit 1;; *kernels_name*) echo "torch 0 | fake MPI | fake kernels"; exit 0;; esac\n'
-        f'exec "{sys.executable}" "$@"\n'
-    )
-    fake.chmod(0o755)
+    venv, log = _fake_venv(tmp_path, has_torch=False)
     setup = Path(__file__).parent.parent / "launch" / "setup.sh"
     url = "https://download.pytorch.org/whl/cpu"
     done = run_bounded(["bash", str(setup)], 60, {"PSGRAD_VENV": str(venv), "PSGRAD_TORCH_INDEX": url})
