@@ -18,7 +18,7 @@ mkdir -p "$out"
 codecs="none;none --topology colocated"
 codecs+=";sign --feedback ef --down-codec sign;sign --feedback ef --down-codec sign --topology colocated"
 for n in $workers; do
-  "$psgrad" bench --model resnet20 --batch-size 8 --steps "$steps" --warmup 2 --workers "$n" \
+  "$psgrad" bench --model resnet20 --batch-size 8 --steps "$steps" --warmup-steps 2 --workers "$n" \
     --bandwidth "$bandwidth" --codecs "$codecs" --baselines compute --json "$out/workers-$n.json" | tee "$out/workers-$n.txt"
 done
 "$python" - "$out" "$bandwidth" $workers <<'PY'

@@ -20,7 +20,7 @@ codecs+=";svd:rank=2 --feedback ef --down-codec svd:rank=2"
 for net in $networks; do
   shape=()
   [ "$net" = loopback ] || shape=(--bandwidth "$net")
-  "$psgrad" bench --model wrn --depth 16 --widen-factor 4 --batch-size 16 --steps "$steps" --warmup 3 \
+  "$psgrad" bench --model wrn --depth 16 --widen-factor 4 --batch-size 16 --steps "$steps" --warmup-steps 3 \
     --repeat "$repeat" --codecs "$codecs" --baselines compute,ddp,ddp-powersgd "${shape[@]}" \
     --json "$out/$net.json" --plot "$out/$net.png" | tee "$out/$net.txt"
 done

@@ -37,7 +37,7 @@ for i in "${!configs[@]}"; do
     [ -e "$log/eval.csv" ] && continue  # rerunning the script finishes what an earlier run left
     # shellcheck disable=SC2086  # a configuration is several options
     "$mpiexec" -n "$ranks" "$psgrad" train --model wrn --depth 10 --widen-factor 1 --dataset "$dataset" \
-      --topology "$topology" --epochs "$epochs" --batch-size 32 --schedule cosine --eval-every "$epochs" --seed "$seed" \
+      --topology "$topology" --epochs "$epochs" --batch-size 32 --schedule cosine --eval-every-epochs "$epochs" --seed "$seed" \
       --no-progress --log-dir "$log" --codec ${configs[$i]} >/dev/null
   done
 done

@@ -18,7 +18,7 @@ for net in $networks; do
   # a dense exchange of WRN-16-4 (11 MB) takes 9 s at 10 Mbit/s, 90 s at 1 Mbit/s: only at 10
   [ "$net" = 1mbit ] || extra=";none --topology colocated --local-steps 32"
   # 32 steps left out, then 128 measured: four exchanges of 32 steps
-  "$psgrad" bench --model wrn --depth 16 --widen-factor 4 --batch-size 16 --steps 128 --warmup 32 \
+  "$psgrad" bench --model wrn --depth 16 --widen-factor 4 --batch-size 16 --steps 128 --warmup-steps 32 \
     --codecs "$rows$extra" --baselines compute,ddp-powersgd --bandwidth "$net" \
     --job-timeout 1800 --json "$out/$net.json" | tee "$out/$net.txt"
 done

@@ -23,7 +23,7 @@ for codec in "${codecs[@]}"; do
     [ -f "$dir/eval.csv" ] && continue # done before: the study resumes where it stopped
     # shellcheck disable=SC2086 # the codec's own options split into words on purpose
     "$psgrad" simulate --workers "$n" --model wrn --depth 10 --widen-factor 1 --dataset proxy \
-      --batch-size $((256 / n)) --lr 0.2 --epochs "$epochs" --schedule cosine --eval-every "$epochs" \
+      --batch-size $((256 / n)) --lr 0.2 --epochs "$epochs" --schedule cosine --eval-every-epochs "$epochs" \
       --no-progress --codec $codec --log-dir "$dir" --overwrite 2>"$dir.log" || { tail -5 "$dir.log"; exit 1; }
   done
 done

@@ -198,7 +198,7 @@ def resume_hint(log_dir: str | Path | None) -> str | None:
     except CheckpointError:
         return (
             f"{log_dir} holds no complete checkpoint: to start the run again there, add --overwrite "
-            "(--checkpoint-every N writes one every N steps)"
+            "(--checkpoint-every-steps N writes one every N steps)"
         )
     return f"the newest complete checkpoint is {newest}: continue the run with --resume {log_dir}"
 
@@ -221,7 +221,7 @@ def run_dir(resume: str | Path | None) -> Path | None:
 # settings that say how long a run goes, where it writes and how it shows it: free to change on resume
 _FREE_ON_RESUME = frozenset(
     {"steps", "epochs", "resume", "overwrite", "log_dir", "progress", "timeout", "threads", "device", "extra",
-     "eval_every", "eval_steps", "eval_background", "tensorboard", "checkpoint_every", "keep_checkpoints"}
+     "eval_every_epochs", "eval_every_steps", "eval_background", "tensorboard", "checkpoint_every_steps", "keep_checkpoints"}
 )  # fmt: skip
 
 

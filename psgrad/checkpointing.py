@@ -25,7 +25,7 @@ class Checkpoints:
         self.log_dir, self.transport, self.every, self.total, self.keep = log_dir, transport, every, total, keep
 
     def is_due(self, step: int) -> bool:
-        """Every ``--checkpoint-every`` steps, and after the last step whenever there is a log dir."""
+        """Every ``--checkpoint-every-steps`` steps, and after the last step whenever there is a log dir."""
         last = step + 1 == self.total and self.log_dir is not None
         return last or (self.every > 0 and (step + 1) % self.every == 0 and step + 1 < self.total)
 

@@ -18,6 +18,36 @@ def option_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+RENAMED = {
+    "eval_every": "eval_every_epochs",
+    "eval_steps": "eval_every_steps",
+    "checkpoint_every": "checkpoint_every_steps",
+    "consensus_every": "consensus_every_steps",
+}
+"""Settings renamed so that their names say their unit, old name -> new. The old flags, and the
+old keys of an older run's config.json, are still taken (with a note) for one release."""
+
+RENAMED_FLAGS = {option_flag(old): option_flag(new) for old, new in RENAMED.items()} | {"--warmup": "--warmup-steps"}
+"""The old flags -> the new (``psgrad bench``'s ``--warmup`` counts steps)."""
+
+
+def current_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` with each renamed flag in its new spelling (``--eval-every 2`` and ``--eval-every=2``
+    alike), and one note per renamed flag met; what follows a lone ``--`` is left alone."""
+    out: list[str] = []
+    notes: list[str] = []
+    for i, word in enumerate(args):
+        if word == "--":
+            return out + list(args[i:]), notes
+        flag, equals, value = word.partition("=")
+        if flag in RENAMED_FLAGS:
+            new = RENAMED_FLAGS[flag]
+            notes.append(f"note: {flag} is now {new} (it says its unit); the old name goes in the next release")
+            word = new + equals + value
+        out.append(word)
+    return out, notes
+
+
 def wrn_depth_problem(depth: int) -> str | None:
     """Why ``depth`` is not a WideResNet depth (6n+4, n >= 1: 10, 16, 22, 28, 40, ...), or None."""
     if depth >= 10 and (depth - 4) % 6 == 0:

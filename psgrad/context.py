@@ -116,7 +116,7 @@ class RunContext:
         transport.check_tag(layer_tag(len(layers)))
         data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
         resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
-        schedule = {"every": cfg.checkpoint_every, "keep": cfg.keep_checkpoints}  # of the checkpoints
+        schedule = {"every": cfg.checkpoint_every_steps, "keep": cfg.keep_checkpoints}  # of the checkpoints
         ctx = cls(
             cfg=cfg,
             transport=transport,

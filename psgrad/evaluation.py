@@ -56,9 +56,9 @@ class Evaluations:
         self._running: list[Future] = []
 
     def is_due(self, step: int) -> bool:
-        """The last step, every ``eval_steps``-th step, and the end of every ``eval_every``-th epoch."""
-        spe, every = self.steps_per_epoch, self.cfg.eval_every
-        if step == self.total - 1 or (self.cfg.eval_steps and (step + 1) % self.cfg.eval_steps == 0):
+        """The last step, every ``eval_every_steps``-th step, and the end of every ``eval_every_epochs``-th epoch."""
+        spe, every = self.steps_per_epoch, self.cfg.eval_every_epochs
+        if step == self.total - 1 or (self.cfg.eval_every_steps and (step + 1) % self.cfg.eval_every_steps == 0):
             return True
         return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
 

@@ -234,8 +234,10 @@ def option_overrides(args: list[str]) -> dict:
     """The RunConfig fields that train options ``args`` set (only those given), validated by click."""
     from click.core import ParameterSource
 
+    from .choices import current_flags
+
     try:
-        ctx = _row_options.make_context("psgrad bench item", list(args))
+        ctx = _row_options.make_context("psgrad bench item", current_flags(list(args))[0])
     except click.ClickException as err:
         raise ValueError(f"{' '.join(args)!r}: {err.format_message()}") from None
     return {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}

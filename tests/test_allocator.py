@@ -76,7 +76,7 @@ def test_the_library_leaves_the_allocator_alone(monkeypatch):
     from psgrad.sim.simulate import simulate
 
     monkeypatch.setattr(allocator, "_state", None)
-    simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every=0, timeout=60), 1)
+    simulate(RunConfig(model="convnet", batch_size=8, steps=1, progress=False, eval_every_epochs=0, timeout=60), 1)
     assert allocator._state is None
 
 

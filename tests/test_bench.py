@@ -21,7 +21,7 @@ def _launcher(args: list[str], timeout: float = 300):
 def test_bench_inside_one_mpi_job(tmp_path):
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    args = [*SMALL, "--steps", "4", "--warmup", "1", "--repeat", "2"]
+    args = [*SMALL, "--steps", "4", "--warmup-steps", "1", "--repeat", "2"]
     proc = run_mpi(
         [sys.executable, "-m", "psgrad", "bench", *args, "--codecs", "none;topk:ratio=0.01"]
         + ["--json", str(out), "--plot", str(png)],
@@ -41,7 +41,7 @@ def test_bench_inside_one_mpi_job(tmp_path):
 def test_bench_launcher_with_baselines(tmp_path):
     out = tmp_path / "bench.json"
     a2a = "sign --feedback ef --topology alltoall"  # a row without a server: 2 ranks
-    args = [*SMALL, "--steps", "4", "--warmup", "2", "--codecs", f"none;qsgd:levels=4;{a2a}"]
+    args = [*SMALL, "--steps", "4", "--warmup-steps", "2", "--codecs", f"none;qsgd:levels=4;{a2a}"]
     proc = _launcher([*args, "--baselines", "compute,ddp,ddp-powersgd", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["codec"]: r for r in json.loads(out.read_text())}
@@ -298,7 +298,17 @@ def test_target_table_ranks_by_seconds_and_says_never():
 def test_bench_time_to_accuracy_rows(tmp_path):
     out = tmp_path / "t.json"
     proc = _launcher(
-        [*SMALL, "--steps", "12", "--warmup", "1", "--eval-steps", "4", "--codecs", "none;sign --feedback ef"]
+        [
+            *SMALL,
+            "--steps",
+            "12",
+            "--warmup-steps",
+            "1",
+            "--eval-every-steps",
+            "4",
+            "--codecs",
+            "none;sign --feedback ef",
+        ]
         + ["--baselines", "compute,ddp", "--target-accuracy", "0.3", "--json", str(out)]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,7 +46,7 @@ def test_the_hint_after_an_interrupt_names_the_way_on(tmp_path):
     _write(log, 8, complete=False)
     assert checkpoint.resume_hint(log) == (
         f"{log} holds no complete checkpoint: to start the run again there, add --overwrite "
-        "(--checkpoint-every N writes one every N steps)"
+        "(--checkpoint-every-steps N writes one every N steps)"
     )
     _write(log, 4)
     assert checkpoint.resume_hint(log) == (

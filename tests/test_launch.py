@@ -129,7 +129,7 @@ def test_launch_scripts_parse():
         check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, f"{script.name}: {check.stderr}"
     sbatch = (SCRIPT.parent / "slurm.sbatch").read_text()
-    assert "#SBATCH --gpus-per-node=1" in sbatch and "--device cuda" in sbatch and "--checkpoint-every" in sbatch
+    assert "#SBATCH --gpus-per-node=1" in sbatch and "--device cuda" in sbatch and "--checkpoint-every-steps" in sbatch
 
 
 def test_workers_count_gpus_among_workers_only():

@@ -96,7 +96,7 @@ def test_exchanges_are_counted_on_the_wire_not_batches():
         ({"mode": "async"}, "--mode sync"),
         ({"feedback": "dgc"}, "use ef or none"),
         ({"amp": "fp16", "on_nonfinite": "skip"}, "use --amp bf16"),
-        ({"checkpoint_every": 6}, "must be a multiple of --local-steps 4"),
+        ({"checkpoint_every_steps": 6}, "must be a multiple of --local-steps 4"),
         ({"outer_momentum": 0.0}, "needs --outer-momentum > 0"),
         ({"optimizer": "adam"}, "--optimizer has no part"),
     ],

@@ -529,7 +529,7 @@ def test_ring_with_sign_reaches_consensus_and_learns(tmp_path):
     rate is high and come back together as the cosine schedule ends; the loss falls."""
     py = __import__("sys").executable
     args = ["--model", "mlp", "--steps", "60", "--batch-size", "16", "--synthetic-size", "512", "--no-progress"]
-    args += ["--topology", "ring", "--codec", "sign", "--consensus-step", "0.3", "--consensus-every", "5"]
+    args += ["--topology", "ring", "--codec", "sign", "--consensus-step", "0.3", "--consensus-every-steps", "5"]
     args += ["--schedule", "cosine", "--lr", "0.05", "--log-dir", str(tmp_path)]
     proc = run_mpi([py, "-m", "psgrad", "train", *args], n=4, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

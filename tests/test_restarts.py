@@ -196,7 +196,18 @@ def test_keep_zero_keeps_every_checkpoint(tmp_path):
 
 
 # ---------------------------------------------------------------- under the launcher
-TRAIN = ["train", "--model", "mlp", "--steps", "30", "--batch-size", "8", "--no-progress", "--checkpoint-every", "5"]
+TRAIN = [
+    "train",
+    "--model",
+    "mlp",
+    "--steps",
+    "30",
+    "--batch-size",
+    "8",
+    "--no-progress",
+    "--checkpoint-every-steps",
+    "5",
+]
 SAME = ["step", "epoch", "loss", "bytes_up", "bytes_down", "lr", "nonfinite"]  # all but the timings
 
 
@@ -250,7 +261,7 @@ def test_a_killed_rank_restarts_and_ends_with_the_uninterrupted_model(tmp_path, 
 
 def test_a_nan_abort_is_not_restarted(tmp_path):
     log = tmp_path / "log"
-    out = _launched(tmp_path, log, [*TRAIN, "--lr", "1e30", "--checkpoint-every", "1"])
+    out = _launched(tmp_path, log, [*TRAIN, "--lr", "1e30", "--checkpoint-every-steps", "1"])
     assert out.returncode == exits.NONFINITE, out.stderr[-3000:]
     assert "not restarting after a gradient that was not finite (status 3)" in out.stderr
     assert out.stderr.count("[psgrad] rank=role:pid") == 1, "started once only"

@@ -146,3 +146,27 @@ def test_workers_take_a_gpu_by_default_where_torch_sees_one(monkeypatch):
     assert worker_device(RunConfig().device, local_worker=3) == torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert worker_device(RunConfig().device, local_worker=3) == torch.device("cpu")
+
+
+def test_renamed_settings_say_their_unit_and_the_old_names_still_work_with_a_note(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from psgrad.choices import current_flags
+    from psgrad.cli import main
+    from psgrad.config import RunConfig
+
+    args, notes = current_flags(["--eval-every=2", "--checkpoint-every", "5", "--", "--eval-steps"])
+    assert args == ["--eval-every-epochs=2", "--checkpoint-every-steps", "5", "--", "--eval-steps"]
+    assert len(notes) == 2 and "--checkpoint-every is now --checkpoint-every-steps" in notes[1]
+    log = tmp_path / "run"
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "4", "--no-progress"]
+    done = CliRunner().invoke(main, [*options, "--checkpoint-every", "2", "--log-dir", str(log)])
+    assert done.exit_code == 0, done.output[-2000:]
+    assert done.stderr.count("--checkpoint-every is now --checkpoint-every-steps") == 1
+    saved = json.loads((log / "config.json").read_text())
+    assert saved["checkpoint_every_steps"] == 2 and (log / "ckpt-step2").is_dir()
+    saved["eval_every"] = saved.pop("eval_every_epochs")  # a config.json written before the rename
+    saved["eval_every"] = 3
+    assert RunConfig.from_json(json.dumps(saved)).eval_every_epochs == 3

@@ -44,7 +44,7 @@ def test_shaped_bench_is_rate_limited_and_cleans_up(tmp_path):
     out = tmp_path / "bench.json"
     rate = 50_000_000
     proc = _launcher(
-        [*SMALL, "--steps", "6", "--warmup", "2", "--codecs", "none", "--baselines", "ddp"]
+        [*SMALL, "--steps", "6", "--warmup-steps", "2", "--codecs", "none", "--baselines", "ddp"]
         + ["--bandwidth", "50mbit", "--json", str(out)]
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -89,7 +89,7 @@ def test_simulate_follows_the_mpi_run_step_for_step(tmp_path, mpi_runs, name):
 def test_a_model_that_does_not_stack_trains_one_pass_per_worker_as_without_stacking(capfd):
     """ResNet-20's shortcut pads channels, which would mix the stacked workers: the check of the
     first pass sees it, says so, and the run is the unstacked run to the bit."""
-    cfg = RunConfig(model="resnet20", batch_size=4, steps=2, progress=False, timeout=60, eval_every=0)
+    cfg = RunConfig(model="resnet20", batch_size=4, steps=2, progress=False, timeout=60, eval_every_epochs=0)
     stacked, plain = simulate(cfg, 2, cores=1), simulate(cfg, 2, cores=1, stack=False)
     assert "each worker computes on its own" in capfd.readouterr().err
     assert [r["loss"] for r in stacked[0].rows] == [r["loss"] for r in plain[0].rows]
@@ -100,7 +100,7 @@ def test_a_model_that_does_not_stack_trains_one_pass_per_worker_as_without_stack
 def test_by_default_the_ranks_stack_on_any_number_of_cores(capfd):
     """Stacked in groups, one per core, measured faster on one core and on two (ResNet-20's
     refusal note shows whether stacking was tried); --no-stack does not try."""
-    cfg = RunConfig(model="resnet20", batch_size=4, steps=1, progress=False, timeout=60, eval_every=0)
+    cfg = RunConfig(model="resnet20", batch_size=4, steps=1, progress=False, timeout=60, eval_every_epochs=0)
     for cores in (1, 2):  # on two cores, two groups of two
         simulate(cfg, 4, cores=cores)
         assert "each worker computes on its own" in capfd.readouterr().err
@@ -114,7 +114,7 @@ def test_every_topology_trains_stacked_as_it_does_unstacked(topology):
     (a colocated rank keeps serving while it waits for the others to hand in their batches)."""
     cfg = RunConfig(
         model="convnet", batch_size=8, steps=3, codec="none", topology=topology, progress=False, timeout=60,
-        eval_every=0,
+        eval_every_epochs=0,
     )  # fmt: skip
     stacked, plain = simulate(cfg, 3, cores=1), simulate(cfg, 3, cores=1, stack=False)
     rank = len(stacked) - 1
@@ -143,7 +143,7 @@ def test_stacked_groups_side_by_side_train_as_unstacked(topology, monkeypatch):
     monkeypatch.setattr(psgrad.sim.stacked.StackedPass, "run", recorded)
     cfg = RunConfig(
         model="convnet", batch_size=8, steps=3, codec="none", topology=topology, progress=False, timeout=60,
-        eval_every=0,
+        eval_every_epochs=0,
     )  # fmt: skip
     grouped = simulate(cfg, 3, cores=2, stack=True)
     # every step two groups, 2 + 1; they run side by side when the closing worker finds the other
@@ -164,7 +164,9 @@ def test_a_simulation_gives_the_caller_back_its_torch_thread_count():
     per group. A Python caller that set three threads has three again afterwards, however the
     simulation ended."""
     threads = torch.get_num_threads()
-    cfg = RunConfig(model="convnet", batch_size=8, steps=2, codec="none", progress=False, timeout=60, eval_every=0)
+    cfg = RunConfig(
+        model="convnet", batch_size=8, steps=2, codec="none", progress=False, timeout=60, eval_every_epochs=0
+    )
     try:
         torch.set_num_threads(3)
         simulate(cfg, 2, cores=2)
@@ -183,7 +185,7 @@ def test_a_simulation_gives_the_caller_back_its_torch_thread_count():
 def test_a_stacked_workers_saved_model_holds_only_its_own_tensors(tmp_path):
     """Its parameters are views into the stacked model's: model.pt must not carry all of them."""
     cfg = RunConfig(
-        model="convnet", batch_size=4, steps=2, topology="ring", progress=False, timeout=60, eval_every=0,
+        model="convnet", batch_size=4, steps=2, topology="ring", progress=False, timeout=60, eval_every_epochs=0,
         log_dir=str(tmp_path),
     )  # fmt: skip
     results = simulate(cfg, 8, cores=1)
@@ -196,7 +198,7 @@ def test_thirty_two_workers_train_a_small_model(capfd):
 
     cfg = RunConfig(
         model="convnet", batch_size=4, steps=4, dataset="synthetic", codec="topk:ratio=0.05",
-        feedback="ef", progress=False, timeout=60, eval_every=0,
+        feedback="ef", progress=False, timeout=60, eval_every_epochs=0,
     )  # fmt: skip
     results = simulate(cfg, 32)
     assert len(results) == 33 and results[0].role == "server"
@@ -312,7 +314,7 @@ def test_the_trajectory_does_not_depend_on_how_many_ranks_compute_at_once():
 def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, topology):
     """Checkpoints are written by every simulated rank; resuming from the middle gives the same model."""
     cfg = RunConfig(
-        model="convnet", batch_size=8, steps=6, checkpoint_every=3, codec="topk:ratio=0.1", feedback="ef",
+        model="convnet", batch_size=8, steps=6, checkpoint_every_steps=3, codec="topk:ratio=0.1", feedback="ef",
         topology=topology, progress=False, timeout=60, log_dir=str(tmp_path / "run"),
     )  # fmt: skip
     whole = simulate(cfg, 3)
@@ -331,7 +333,7 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     error before any rank starts."""
     run = tmp_path / "run"
     first = ["simulate", "--workers", "2", "--model", "mlp", "--batch-size", "8", "--steps", "6"]
-    first += ["--checkpoint-every", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
+    first += ["--checkpoint-every-steps", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
     done = CliRunner().invoke(main, [*first, "--log-dir", str(run)])
     assert done.exit_code == 0, done.output[-3000:]
     whole = torch.load(run / "model.pt", weights_only=True)
@@ -390,7 +392,7 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
     (["--topology", "alltoall", "--down-codec", "qsgd:levels=4"], "--topology alltoall has no servers"),
     (["--granularity", "model", "--no-bucket-vectors"], "--no-bucket-vectors is for --granularity layer"),
     (["--consensus-step", "0.3"], "--consensus-step is CHOCO-SGD's: it means nothing to --topology ps"),
-    (["--topology", "alltoall", "--consensus-every", "5"], "--consensus-every is CHOCO-SGD's"),
+    (["--topology", "alltoall", "--consensus-every-steps", "5"], "--consensus-every-steps is CHOCO-SGD's"),
     (["--staleness", "2"], "--staleness bounds how far --mode async lets a worker run ahead"),
     (["--topology", "colocated", "--servers", "2"], "every rank serves a shard under colocated"),
     (["--topology", "ring", "--servers", "2"], "--servers counts the server ranks of --topology ps: ring has none"),
@@ -486,7 +488,9 @@ def test_the_time_spent_loading_a_batch_is_its_own_column(topology):
             load_dataset("synthetic", "train"), dataset="synthetic", worker=index, workers=workers, batch_size=8, seed=0
         )
 
-    cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30, topology=topology, eval_every=0)
+    cfg = RunConfig(
+        model="mlp", steps=3, batch_size=8, progress=False, timeout=30, topology=topology, eval_every_epochs=0
+    )
     rows = simulate(cfg, 3, loader_fn=loader_fn)[0].rows
     assert len(rows) == 3
     for row in rows:
@@ -510,7 +514,7 @@ def test_parsing_a_gradient_or_a_reply_is_decoding_in_every_topology(topology, m
 
     monkeypatch.setattr(wire, "loads", slow_loads)
     cfg = RunConfig(
-        model="mlp", steps=3, batch_size=8, progress=False, timeout=60, topology=topology, eval_every=0,
+        model="mlp", steps=3, batch_size=8, progress=False, timeout=60, topology=topology, eval_every_epochs=0,
         granularity="model",
     )  # fmt: skip
     rows = simulate(cfg, 2)[0].rows
@@ -568,7 +572,7 @@ def test_a_server_holds_no_more_replies_after_many_steps_than_after_a_few():
         handle(self, handles, done)
         held.append(len(self.sends))
 
-    cfg = RunConfig(model="mlp", batch_size=4, steps=30, dataset="synthetic", progress=False, eval_every=0)
+    cfg = RunConfig(model="mlp", batch_size=4, steps=30, dataset="synthetic", progress=False, eval_every_epochs=0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(server.ServerBase, "_handle", counting)
         simulate(cfg, 4, cores=1, stack=False)
@@ -681,7 +685,9 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
         steps_run.append(1)
         return F.cross_entropy(out, labels)
 
-    cfg = RunConfig(model="convnet", batch_size=8, steps=2000, codec="none", progress=False, timeout=60, eval_every=0)
+    cfg = RunConfig(
+        model="convnet", batch_size=8, steps=2000, codec="none", progress=False, timeout=60, eval_every_epochs=0
+    )
     with pytest.raises(MemoryError, match="fewer --workers, a smaller model or a smaller --batch-size"):
         simulate(cfg, 2, cores=1, loss_fn=counted_loss, stack=False)
     assert len(steps_run) < 2 * 2000  # the two workers did not train on to the end
@@ -760,7 +766,7 @@ def test_simulate_starts_no_mpi(tmp_path):
     probe = (
         "from psgrad.config import RunConfig\n"
         "from psgrad.sim.simulate import simulate\n"
-        "simulate(RunConfig(model='mlp', steps=2, progress=False, eval_every=0), 2)\n"
+        "simulate(RunConfig(model='mlp', steps=2, progress=False, eval_every_epochs=0), 2)\n"
         "from mpi4py import MPI\n"
         "print('MPI started:', MPI.Is_initialized())\n"
     )
@@ -787,7 +793,7 @@ def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(
 
     log = tmp_path / "run"
     small_wrn = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "8"]
-    args = [*small_wrn, "--steps", "100000", "--checkpoint-every", "5", "--no-progress", "--log-dir", str(log)]
+    args = [*small_wrn, "--steps", "100000", "--checkpoint-every-steps", "5", "--no-progress", "--log-dir", str(log)]
 
     def checkpointed(_err: str) -> bool:
         try:

@@ -532,7 +532,17 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     from psgrad import checkpoint
 
     log = tmp_path / "run"
-    args = ["--model", "mlp", "--steps", "100000", "--checkpoint-every", "5", "--no-progress", "--log-dir", str(log)]
+    args = [
+        "--model",
+        "mlp",
+        "--steps",
+        "100000",
+        "--checkpoint-every-steps",
+        "5",
+        "--no-progress",
+        "--log-dir",
+        str(log),
+    ]
 
     def checkpointed(_err: str) -> bool:
         try:
@@ -790,7 +800,7 @@ def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ran
     """--accumulate 4 (micro-batches of 8) follows --accumulate 1 (MLP: no BatchNorm, so the same
     gradient up to rounding); --clip-grad-norm and --amp bf16/fp16 run and stay finite."""
     base = ["--model", "mlp", "--steps", "6", "--batch-size", "32"]
-    base += ["--no-progress", "--topology", topology, "--eval-every", "0"]
+    base += ["--no-progress", "--topology", topology, "--eval-every-epochs", "0"]
     runs = {
         "plain": [],
         "accumulate": ["--accumulate", "4"],
@@ -854,7 +864,18 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
         pytest.skip("cannot mount a tmpfs here")
     log = small / "run"
     if what == "checkpoint":
-        args = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--steps", "30", "--checkpoint-every", "5"]
+        args = [
+            "--model",
+            "wrn",
+            "--depth",
+            "10",
+            "--widen-factor",
+            "1",
+            "--steps",
+            "30",
+            "--checkpoint-every-steps",
+            "5",
+        ]
         said = [  # separate lines: a worker whose own checkpoint did not fit either may say so between them
             "[psgrad rank 0] CheckpointError while waiting for messages (step 10): could not write "
             f"{log}/ckpt-step10/rank0.pt: No space left on device (free space there, or start again with another "
@@ -881,7 +902,7 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
 def test_two_ranks_under_the_ps_topology_say_they_train_on_one_worker():
     """mpiexec -n 2 with --topology ps is one server and one worker: no data parallelism, which
     the start-up lines say, with the way out; colocated ranks are all workers and say nothing."""
-    options = ["--model", "mlp", "--dataset", "synthetic", "--steps", "2", "--no-progress", "--eval-every", "0"]
+    options = ["--model", "mlp", "--dataset", "synthetic", "--steps", "2", "--no-progress", "--eval-every-epochs", "0"]
     ps = run_mpi([sys.executable, "-m", "psgrad", "train", *options], n=2, timeout=120)
     assert ps.returncode == 0, ps.stderr[-3000:]
     assert "1 server(s) and 1 worker: no data parallelism" in ps.stderr and "--topology colocated" in ps.stderr

@@ -110,7 +110,7 @@ def train_rows(
 
 def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
     """With ``test`` (rank 0's, when the row evaluates), ``model`` is evaluated every
-    ``cfg.eval_steps`` steps and at the last, like psgrad's runs."""
+    ``cfg.eval_every_steps`` steps and at the last, like psgrad's runs."""
     if test is None:
         return None
     from ..evaluation import evaluate
@@ -118,7 +118,7 @@ def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
     layout = memory_format(cfg.memory_format, torch.device("cpu"))
 
     def run(step: int) -> dict | None:
-        if (step + 1) % cfg.eval_steps and step != steps - 1:
+        if (step + 1) % cfg.eval_every_steps and step != steps - 1:
             return None
         start = time.perf_counter()
         loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy, layout)
@@ -169,7 +169,7 @@ def _init_gloo(transport) -> None:
 
 def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> tuple[list[dict], list[dict]]:
     """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns (rows, evals), others
-    ([], []). DDP rows evaluate every ``cfg.eval_steps`` steps; ``compute`` has no one model to
+    ([], []). DDP rows evaluate every ``cfg.eval_every_steps`` steps; ``compute`` has no one model to
     evaluate (each worker trains alone)."""
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
@@ -183,7 +183,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     def read():
         model, loader = _model_and_loader(cfg, rank, workers)
-        evaluates = rank == 0 and kind != "compute" and cfg.eval_steps
+        evaluates = rank == 0 and kind != "compute" and cfg.eval_every_steps
         return model, loader, load_split(cfg, "test") if evaluates else None
 
     # as psgrad's own runs: an unreadable dataset is one line for the job

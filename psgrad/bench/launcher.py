@@ -144,7 +144,7 @@ def run_item(
 ) -> dict | None:
     """Run one item (codec or baseline) on every rank of this MPI job; rank 0 gets the measurement.
 
-    With ``target``, the run evaluates every ``cfg.eval_steps`` steps and the measurement adds
+    With ``target``, the run evaluates every ``cfg.eval_every_steps`` steps and the measurement adds
     its time to that test accuracy (``to_target``).
     """
     head, cfg = item_config(item, cfg)
@@ -160,7 +160,7 @@ def run_item(
 
         rows, evals = run_baseline(
             head,
-            replace(cfg, steps=steps + warmup, eval_steps=cfg.eval_steps if target else 0),
+            replace(cfg, steps=steps + warmup, eval_every_steps=cfg.eval_every_steps if target else 0),
             steps + warmup,
             powersgd_rank,
         )
@@ -169,14 +169,14 @@ def run_item(
         return measure(rows, warmup) | (to_target(rows, evals, target) if target and head != "compute" else {})
     from ..train import run
 
-    eval_steps = cfg.eval_steps if target else 0
+    eval_every_steps = cfg.eval_every_steps if target else 0
     # evaluation in the foreground: to_target then takes exactly its time out of the clock
     bench_cfg = replace(
         cfg,
         steps=steps + warmup,
-        consensus_every=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
-        eval_every=0,
-        eval_steps=eval_steps,
+        consensus_every_steps=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
+        eval_every_epochs=0,
+        eval_every_steps=eval_every_steps,
         eval_background=False,
         progress=False,
         log_dir=None,

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--workers and --batch-size must be at least 1")
     base = RunConfig(
         model=args.model, depth=10, widen_factor=1, batch_size=args.batch_size, steps=args.steps,
-        dataset="synthetic", progress=False, eval_every=0,
+        dataset="synthetic", progress=False, eval_every_epochs=0,
     )  # fmt: skip
     items = [item.strip() for item in args.codecs.split(";") if item.strip()]
     if not items:

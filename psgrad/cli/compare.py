@@ -12,7 +12,7 @@ from .group import main
 BENCH_IGNORES = {
     "--log-dir": "log_dir",
     "--tensorboard": "tensorboard",
-    "--checkpoint-every": "checkpoint_every",
+    "--checkpoint-every-steps": "checkpoint_every_steps",
     "--resume": "resume",
     "--overwrite": "overwrite",
 }
@@ -58,7 +58,9 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     help="Extra rows, comma-separated: compute (the workers train at once, no communication), ddp (torch DDP, gloo), "
     "ddp-powersgd (DDP with the PowerSGD hook). Needs the launcher mode (no mpiexec).",
 )
-@click.option("--warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures.")
+@click.option(
+    "--warmup-steps", "warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures."
+)
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
@@ -113,7 +115,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--target-accuracy",
     type=click.FloatRange(0, 1, min_open=True),
     default=None,
-    help="Time to accuracy: every row (and the DDP baselines) evaluates every --eval-steps steps (default: "
+    help="Time to accuracy: every row (and the DDP baselines) evaluates every --eval-every-steps steps (default: "
     "--steps/20) and the report ranks rows by training seconds to this test accuracy, with steps, bytes and "
     "final accuracy; --steps is then the cap.",
 )
@@ -184,8 +186,8 @@ def _bench_settings(options: dict, *, warmup: int, target_accuracy: float | None
             "(--json and --plot keep its results)"
         )
     options["steps"] = options["steps"] or 20
-    if target_accuracy and not options["eval_steps"]:
-        options["eval_steps"] = max(1, (options["steps"] + warmup) // 20)
+    if target_accuracy and not options["eval_every_steps"]:
+        options["eval_every_steps"] = max(1, (options["steps"] + warmup) // 20)
     cfg = config_from(options)
     require_data(cfg)
     if plot_path is not None:

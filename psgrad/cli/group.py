@@ -25,6 +25,18 @@ class _Commands(click.Group):
             agrees_on_usage=lambda: ctx.invoked_subcommand in TRAINING_COMMANDS,
         )
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Renamed flags in their new spelling (``choices.RENAMED_FLAGS``), each with a note,
+        said by one rank of a launch."""
+        from ..choices import current_flags
+        from ..runtime.signals import launched_rank
+
+        args, notes = current_flags(args)
+        if notes and not launched_rank():  # rank 0, or no launcher
+            for note in dict.fromkeys(notes):
+                click.echo(f"[psgrad] {note}", err=True)
+        return super().parse_args(ctx, args)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's whole first paragraph, wrapped, not cut at 45 characters."""
         rows = []

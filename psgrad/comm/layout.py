@@ -124,7 +124,7 @@ def without_gossip(name: str) -> dict[str, str]:
     return {
         option: f"--{option.replace('_', '-')} is CHOCO-SGD's: it means nothing to --topology {name} "
         "(use --topology ring or torus)"
-        for option in ("consensus_step", "consensus_every")
+        for option in ("consensus_step", "consensus_every_steps")
     }
 
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..choices import option_flag, wrn_depth_problem
+from ..choices import RENAMED, option_flag, wrn_depth_problem
 from ..roles import topology_of
 from ..settings import settings_of, value_problem
 from .coding import CodecSettings
@@ -102,8 +102,8 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         )
         _need(self.amp != "fp16", "--local-steps with --amp fp16 would need a loss scale per worker: use --amp bf16")
         _need(
-            self.checkpoint_every % h == 0,
-            f"--checkpoint-every {self.checkpoint_every} must be a multiple of --local-steps {h}: "
+            self.checkpoint_every_steps % h == 0,
+            f"--checkpoint-every-steps {self.checkpoint_every_steps} must be a multiple of --local-steps {h}: "
             "a checkpoint is taken right after an exchange",
         )
 
@@ -182,6 +182,9 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
     def from_json(cls, text: str) -> RunConfig:
         data = json.loads(text)
         data.pop("run", None)  # what the run was (world size, versions, host), not a setting
+        for old, new in RENAMED.items():  # an older run's config.json
+            if old in data:
+                data.setdefault(new, data.pop(old))
         if data.get("extra") == {}:  # an empty field that config.json files of older versions hold
             del data["extra"]
         known = {f.name for f in fields(cls)}

@@ -24,17 +24,17 @@ class OutputSettings:
         path="dir",
         help="Write config.json, metrics.csv, eval.csv (and checkpoints) here; made if missing, and one that cannot be made or written is refused before training starts.",
     )
-    eval_every: int = setting(
+    eval_every_epochs: int = setting(
         1,
         section=OUTPUT,
         low=0,
         help="Evaluate on the test set every N epochs (0: only at the end).",
     )
-    eval_steps: int = setting(
+    eval_every_steps: int = setting(
         0,
         section=OUTPUT,
         low=0,
-        help="Also evaluate every N steps (0: only by --eval-every epochs and at the end).",
+        help="Also evaluate every N steps (0: only by --eval-every-epochs and at the end).",
     )
     eval_background: bool = setting(
         True,
@@ -51,7 +51,7 @@ class OutputSettings:
         section=OUTPUT,
         help="Progress bar on rank 0: epoch, loss, it/s over the last 10 steps, MB per step.",
     )
-    checkpoint_every: int = setting(
+    checkpoint_every_steps: int = setting(
         0,
         section=OUTPUT,
         low=0,

@@ -64,7 +64,7 @@ class TopologySettings:
         section=TOPOLOGY,
         help="torus: RxC, rows x columns of the torus (= the number of ranks, placed row-major); each rank gossips with the ranks above, below, left and right of it, wrapping around.",
     )
-    consensus_every: int = setting(
+    consensus_every_steps: int = setting(
         10,
         section=TOPOLOGY,
         low=0,

@@ -18,7 +18,7 @@ With codec ``none`` and gamma = 1 the copies are exact and step 4 is plain gossi
 x_i = sum_j w_ij x_j (self included). A layer that is not compressed (the 1-D bucket) always
 travels exact. Each link carries one message per layer and step, whatever N is.
 
-Every ``--consensus-every`` steps the metrics row also holds the consensus distance
+Every ``--consensus-every-steps`` steps the metrics row also holds the consensus distance
 (1/N) sum_i ||x_i - x_bar||^2 (one allreduce of the model). Evaluation scores the ranks' average
 model x_bar (parameters and BatchNorm statistics averaged over ranks) on rank 0; the ranks'
 own models train on.
@@ -169,7 +169,7 @@ class GossipRole(Role):
     # ------------------------------------------------------------------ the Role interface
     def step(self, step: int) -> list[dict]:
         stats = self.ctx.train_on_batch(step, self.train_step)
-        every = self.cfg.consensus_every
+        every = self.cfg.consensus_every_steps
         last = step == self.ctx.total - 1
         extra = {"consensus": self.consensus_distance()} if every and (step % every == 0 or last) else None
         return self.rows.row(stats, extra)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 
+from ..choices import RENAMED
 from ..comm.layout import RankLayout
 from ..comm.protocol import coded_cost, layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
@@ -55,6 +57,9 @@ def init(**settings) -> None:
     global _WORLD
     if _WORLD is not None:
         raise RuntimeError("psgrad.init() was called already in this process")
+    for name in set(settings) & set(RENAMED):  # renamed so that the name says its unit
+        warnings.warn(f"psgrad.init: {name} is now {RENAMED[name]}", FutureWarning, stacklevel=2)
+        settings[RENAMED[name]] = settings.pop(name)
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:

@@ -19,9 +19,9 @@ cfg = RunConfig(
     lr=0.05,
     codec="topk:ratio=0.2",
     feedback="ef",
-    eval_every=0,
+    eval_every_epochs=0,
     progress=False,
-    checkpoint_every=2,
+    checkpoint_every_steps=2,
     log_dir=log_dir,
     resume=resume,
 )

@@ -10,7 +10,14 @@ from psgrad.train import run
 failures = []
 for item in sys.argv[1:]:
     options = dict(
-        model="mlp", steps=40, batch_size=16, synthetic_size=1024, lr=0.02, momentum=0.9, progress=False, eval_every=0
+        model="mlp",
+        steps=40,
+        batch_size=16,
+        synthetic_size=1024,
+        lr=0.02,
+        momentum=0.9,
+        progress=False,
+        eval_every_epochs=0,
     )
     options.update(json.loads(item))
     result = run(RunConfig(**options))

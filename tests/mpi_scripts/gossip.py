@@ -31,7 +31,7 @@ def check(topology: str, differ: bool) -> None:
         grid="2x2" if topology == "torus" else None,
         codec="none",
         consensus_step=1.0,
-        consensus_every=1,
+        consensus_every_steps=1,
     )
     result = run(cfg)
     size, rank = world_size(), world_rank()

@@ -28,11 +28,11 @@ def resume_equals_uninterrupted(base: str, *options: str) -> None:
         progress=False,
         codec="topk:ratio=0.2",
         feedback="ef",
-        eval_every=0,
+        eval_every_epochs=0,
         steps=8,
     )
     kw.update(extra)
-    full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every=4))
+    full = run(RunConfig(**kw, log_dir=f"{base}/full", checkpoint_every_steps=4))
     MPI.COMM_WORLD.Barrier()
     if full.rank == 0:
         os.remove(f"{base}/full/ckpt-step8/COMPLETE")

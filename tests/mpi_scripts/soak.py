@@ -55,8 +55,8 @@ settings = dict(
     codec="topk:ratio=0.1",
     feedback="ef",
     lr=0.01,
-    eval_every=0,
-    eval_steps=max(1, steps // 20),
+    eval_every_epochs=0,
+    eval_every_steps=max(1, steps // 20),
 )
 result = run(RunConfig(**{**settings, **extra}))
 done.set()
