@@ -406,7 +406,7 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
         ["--lr-milestones", "10,20"],
         "--lr-milestones shapes --schedule multistep: it means nothing to --schedule constant",
     ),
-    (["--data-dir", "elsewhere"], "--data-dir holds the CIFAR archives: --dataset synthetic is generated"),
+    (["--data-dir", "elsewhere"], "--data-dir holds the CIFAR archives: --dataset synthetic does not read it"),
 ]
 
 
