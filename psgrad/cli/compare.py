@@ -115,7 +115,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--target-accuracy",
     type=click.FloatRange(0, 1, min_open=True),
     default=None,
-    help="Time to accuracy: every row (and the DDP baselines) evaluates every --eval-every-steps steps (default: "
+    help="Time to accuracy: every row (and the DDP baselines) evaluates every --eval-every-steps (default: "
     "--steps/20) and the report ranks rows by training seconds to this test accuracy, with steps, bytes and "
     "final accuracy; --steps is then the cap.",
 )
