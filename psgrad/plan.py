@@ -41,9 +41,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .codecs import make_codec
 from .comm import wire
+
+if TYPE_CHECKING:  # the interface only
+    import torch
 
 CODE_GBPS = {"none": math.inf, "fp16": 12.0, "sign": 10.6, "topk": 6.9, "qsgd": 2.4, "powersgd": 1.7}
 """Round-trip (encode + decode) GB/s of the fp32 gradient at 4 M elements on the development VM
@@ -226,3 +230,33 @@ def plan(s: Scenario) -> Plan:
     extra = max((name for name in parts if name != "compute"), key=parts.get)
     bottleneck = extra if parts[extra] >= 0.1 * s.compute_s else "compute"
     return Plan(step, moved, s.compute_s / step, bottleneck, parts)
+
+
+def measured_step_s(model: torch.nn.Module, *, batch_size: int, classes: int, repeat: int = 5) -> float:
+    """The compute-only step of ``model`` on this machine, as one rank runs it (one torch thread,
+    channels-last on the CPU): the median of ``repeat`` forwards and backwards of a random
+    CIFAR-shaped batch of ``batch_size``, after two untimed ones."""
+    import statistics
+    import time
+
+    import torch
+
+    from .models.layout import in_layout, memory_format
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layout = memory_format("auto", torch.device("cpu"))
+        model = model.to(memory_format=layout).train()
+        images = in_layout(torch.randn(batch_size, 3, 32, 32), layout)
+        labels = torch.randint(0, classes, (batch_size,))
+        times = []
+        for i in range(repeat + 2):
+            start = time.perf_counter()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)

@@ -98,8 +98,19 @@ def test_the_command_prints_a_row_per_workers_and_link():
         (["--codec", "nope"], "nope"),
         (["--workers", "0"], "positive"),
         (["--bandwidth", "fast"], "100mbit"),
+        (["--matrices", "2x10x10", "--step-ms", None], "give its --step-ms"),
     ],
 )
 def test_the_command_says_what_is_wrong(args, fragment):
-    done = CliRunner().invoke(main, ["plan", "--step-ms", "50", *args])
+    given = ["--step-ms", "50", *args]
+    if None in args:  # the case without a step time
+        given = [a for a in args if a not in ("--step-ms", None)]
+    done = CliRunner().invoke(main, ["plan", *given])
     assert done.exit_code == 2 and fragment in done.output, done.output
+
+
+def test_without_a_step_time_the_model_is_timed_here():
+    done = CliRunner().invoke(main, ["plan", "--model", "mlp", "--batch-size", "4", "--bandwidth", "1gbit"])
+    assert done.exit_code == 0, done.output
+    measured = float(done.output.split("compute-only step measured here: ")[1].split(" ms")[0])
+    assert measured > 0 and f"compute {measured:.1f} ms a step" in done.output

@@ -101,10 +101,12 @@ def _shapes(model: str, depth: int, widen_factor: int, classes: int, matrices: s
 )
 @click.option(
     "--step-ms",
-    type=float,
-    required=True,
-    help="The compute-only step of one worker, ms (psgrad bench --baselines compute measures it: 1000 / its it/s).",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="The compute-only step of one worker, ms [default: --model's forward and backward of --batch-size "
+    "images, timed here on one thread; a GPU's step time must be given].",
 )
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Per worker, for timing.")
 @click.option("--local-steps", type=int, default=1, show_default=True, help="Exchange every H-th step (--local-steps).")
 @click.option("--overlap-exchange", is_flag=True, help="With --local-steps: the exchange runs beside the next steps.")
 @click.option(
@@ -127,7 +129,8 @@ def plan(
     servers: int,
     bandwidth: tuple[int, ...],
     rtt_ms: float,
-    step_ms: float,
+    step_ms: float | None,
+    batch_size: int,
     local_steps: int,
     overlap_exchange: bool,
     code_gbps: float | None,
@@ -143,13 +146,24 @@ def plan(
             make_codec(spec)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    if step_ms <= 0 or local_steps < 1 or servers < 1:
-        raise click.UsageError("--step-ms, --local-steps and --servers must be positive")
+    if local_steps < 1 or servers < 1:
+        raise click.UsageError("--local-steps and --servers must be positive")
+    if step_ms is None and matrices is not None:
+        raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
     rtt = rtt_ms
     shapes = _shapes(model, depth, widen_factor, classes, matrices, vector_params)
+    if step_ms is None:
+        from ..models import build_model
+        from ..plan import measured_step_s
+
+        built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
+        step_ms = 1e3 * measured_step_s(built, batch_size=batch_size, classes=classes)
+        click.echo(
+            f"compute-only step measured here: {step_ms:.1f} ms (--model {model}, batch {batch_size}, one thread)"
+        )
     params = sum(math.prod(shape) for shape in shapes)
     click.echo(
-        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:g} ms a "
+        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
         f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}{' overlapped' if overlap_exchange else ''}"
     )
     click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
