@@ -266,3 +266,11 @@ def test_a_nan_abort_is_not_restarted(tmp_path):
     assert "not restarting after a gradient that was not finite (status 3)" in out.stderr
     assert out.stderr.count("[psgrad] rank=role:pid") == 1, "started once only"
     assert json.loads((log / "failures.jsonl").read_text().splitlines()[0])["how"] == "aborted"
+
+
+def test_the_supervisor_gives_the_process_its_signal_handlers_back(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    _supervise(tmp_path, [0])
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

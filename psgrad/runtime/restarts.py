@@ -122,13 +122,23 @@ def _size(path: Path) -> int:
 
 
 class Supervisor:
-    """Runs a command, passing a SIGTERM (or SIGINT sent to this process alone) on to it."""
+    """Runs a command; a SIGTERM or SIGINT to this process stops the restarts, and a SIGTERM is
+    passed on to the job (a Ctrl-C reaches it through the terminal's process group). A context
+    manager: the process's own handlers come back at its end."""
 
     def __init__(self) -> None:
         self.stopped: int | None = None
         self.child: subprocess.Popen | None = None
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        self._before: dict[int, object] = {}
+
+    def __enter__(self) -> Supervisor:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._before[signum] = signal.signal(signum, self._stop)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._before.items():
+            signal.signal(signum, handler)
 
     def _stop(self, signum: int, _frame: object) -> None:
         first = self.stopped is None
@@ -159,8 +169,16 @@ def supervise(command: Sequence[str], *, max_restarts: int, from_scratch: bool) 
             "--max-restarts needs the training command's --log-dir DIR: the checkpoints a restart resumes from are there"
         )
         return USAGE
+    with Supervisor() as supervisor:
+        return _restarts(supervisor, command, log_dir=log_dir, max_restarts=max_restarts, from_scratch=from_scratch)
+
+
+def _restarts(
+    supervisor: Supervisor, command: Sequence[str], *, log_dir: str, max_restarts: int, from_scratch: bool
+) -> int:
+    """``supervise``'s loop, under ``supervisor``."""
     record = Path(log_dir) / FAILURES
-    supervisor, current, restarts = Supervisor(), list(command), 0
+    current, restarts = list(command), 0
     while True:
         since = _size(record)
         status = supervisor.run(current)
