@@ -379,7 +379,7 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     # what the chosen way of coding would ignore is refused (each was ignored without a word)
     for options, said in [
         (["--model", "mlp", "--sizes", "1K"], "--sizes and --model are two ways to say what to code: give one"),
-        (["--depth", "16"], "--depth shapes a WideResNet: it means nothing without --model wrn"),
+        (["--depth", "28"], "--depth shapes a WideResNet: it means nothing without --model wrn"),
         (["--model", "resnet20", "--widen-factor", "2"], "--widen-factor shapes a WideResNet: it means nothing to"),
         (["--classes", "10"], "--classes sizes the output layer of --model: it means nothing without one"),
     ]:
@@ -387,13 +387,13 @@ def test_codec_report_per_size_and_per_model(tmp_path):
         assert refused.exit_code == 2 and said in refused.output, refused.output
     # at its default an option is not refused, as the training commands' are not: a script may pass them all
     kept = runner.invoke(
-        main, ["codecs", "--repeat", "1", "--codecs", "none", "--sizes", "1K", "--depth", "28", "--classes", "100"]
+        main, ["codecs", "--repeat", "1", "--codecs", "none", "--sizes", "1K", "--depth", "16", "--classes", "100"]
     )
     assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
     # --sizes at its default, spelt as the default is, is what its callback turns into sizes: not refused
     kept = runner.invoke(
         main,
-        ["codecs", "--repeat", "1", "--codecs", "none", "--model", "mlp", "--sizes", "256K,4M,16M", "--depth", "28"],
+        ["codecs", "--repeat", "1", "--codecs", "none", "--model", "mlp", "--sizes", "256K,4M,16M", "--depth", "16"],
     )
     assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
 

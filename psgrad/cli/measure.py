@@ -72,8 +72,15 @@ def _list_codecs(ctx: click.Context, param: click.Parameter, value: bool) -> Non
     default=None,
     help="Instead of --sizes: code the gradient of this model's every layer, one message a layer (one table).",
 )
-@click.option("--depth", type=click.IntRange(min=10), default=28, help="With --model wrn: WideResNet depth.")
-@click.option("--widen-factor", type=click.IntRange(min=1), default=10, help="With --model wrn: width multiplier.")
+@click.option(
+    "--depth", type=click.IntRange(min=10), default=16, help="With --model wrn: WideResNet depth (train's default)."
+)
+@click.option(
+    "--widen-factor",
+    type=click.IntRange(min=1),
+    default=4,
+    help="With --model wrn: width multiplier (train's default).",
+)
 @click.option("--classes", type=click.Choice(["10", "100"]), default="100", help="With --model: output classes.")
 @click.option("--repeat", type=click.IntRange(min=1), default=5, help="Timed runs per codec; the median is reported.")
 @click.option(
