@@ -81,6 +81,17 @@ def step_dir(log_dir: str | Path, step: int) -> Path:
     return Path(log_dir) / f"ckpt-step{step}"
 
 
+def step_of(directory: Path) -> int | None:
+    """N of a ``ckpt-stepN`` directory (None for any other path)."""
+    m = _STEP_DIR.search(directory.name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(log_dir: str | Path) -> dict[int, Path]:
+    """The ``ckpt-stepN`` directories in ``log_dir`` by step N, complete or not."""
+    return {step: d for d in Path(log_dir).iterdir() if (step := step_of(d)) is not None and d.is_dir()}
+
+
 def save_rank_state(directory: Path, rank: int, state: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     _atomic_save(state, directory / f"rank{rank}.pt")
@@ -109,7 +120,7 @@ def prune(log_dir: str | Path, *, keep: int) -> list[Path]:
        a restart resumes from, is only deleted once ``keep`` newer ones are complete."""
     if keep <= 0:
         return []
-    steps = {int(m.group(1)): d for d in Path(log_dir).glob("ckpt-step*") if (m := _STEP_DIR.search(d.name))}
+    steps = step_dirs(log_dir)
     complete = sorted((step for step, d in steps.items() if _marker(d) is not None), reverse=True)
     if len(complete) <= keep:
         return []
@@ -172,16 +183,14 @@ def resolve(resume: str | Path) -> Path:
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such directory")
-    if _STEP_DIR.search(path.name):
+    if step_of(path) is not None:
         if _marker(path) is None:
             raise CheckpointError(
                 f"--resume {resume}: this checkpoint is incomplete (no {MARKER} marker: the run was cut off "
                 f"while writing it); resume from {path.parent} to take the newest complete one"
             )
         return path
-    complete = [
-        (int(m.group(1)), d) for d in path.iterdir() if (m := _STEP_DIR.search(d.name)) and _marker(d) is not None
-    ]
+    complete = [(step, d) for step, d in step_dirs(path).items() if _marker(d) is not None]
     if not complete:
         raise CheckpointError(f"--resume {resume}: no complete checkpoint (ckpt-stepN/{MARKER}) in this directory")
     return max(complete)[1]
@@ -214,7 +223,7 @@ def run_dir(resume: str | Path | None) -> Path | None:
     if not resume:
         return None
     path = Path(resume)
-    path = path.parent if _STEP_DIR.search(path.name) else path
+    path = path.parent if step_of(path) is not None else path
     return path if (path / "config.json").is_file() else None
 
 

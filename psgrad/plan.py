@@ -4,7 +4,7 @@ bandwidth and round-trip time, which link is the busiest, and what limits the st
 For a model's layer shapes, a codec (and down-link codec), a topology, N workers, a link
 (bandwidth, RTT), the compute-only step time ``compute_s`` and local steps H:
 
-1. Bytes a worker sends up per step, ``up``: each layer's coded message (``wire.max_message_bytes``;
+1. Bytes a worker sends up per step, ``up``: each layer's coded message (``protocol.coded_cost``;
    1-D parameters dense, in one bucket), and the bytes it receives back, ``down``: the down-link
    codec's messages, dense values without one, or PowerSGD's summed factors (as many as it sent).
 2. Bytes on the busiest link, per direction (links are full duplex):
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .codecs import make_codec
-from .comm import wire
+from .comm.protocol import coded_cost, plan_layers
 
 if TYPE_CHECKING:  # the interface only
     import torch
@@ -114,20 +114,15 @@ def _elements(shapes: Sequence[tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
 
-def _matrices(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    return [shape for shape in shapes if len(shape) > 1]
-
-
-def _vector_elements(shapes: Sequence[tuple[int, ...]]) -> int:
-    return sum(math.prod(shape) for shape in shapes if len(shape) <= 1)
-
-
 def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
-    """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: each matrix coded, the
-    1-D parameters dense in one bucket (psgrad's default)."""
-    vectors = _vector_elements(shapes)
-    dense = float(wire.max_message_bytes("none", (vectors,))) if vectors else 0.0
-    return dense + sum(float(wire.max_message_bytes(spec, shape)) for shape in _matrices(shapes))
+    """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: the layers psgrad's run
+    plans (``protocol.plan_layers``, the 1-D parameters dense in one bucket), each at the run's
+    own cost of it (``protocol.coded_cost``)."""
+    layers = plan_layers(
+        [(f"p{i}", tuple(shape)) for i, shape in enumerate(shapes)], granularity="layer", owners=1, bucket_vectors=True
+    )
+    cost = coded_cost(spec)
+    return sum(cost(layer.shape, layer.compress) for layer in layers)
 
 
 def _rounds(spec: str) -> int:

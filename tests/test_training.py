@@ -220,6 +220,7 @@ def test_bad_settings_are_named():
         RunConfig(down_codec="powersgd").validate()
 
 
+WRN10 = ["--model", "wrn", "--depth", "10", "--widen-factor", "1"]  # WRN-10-1, the tests' small WideResNet
 POWERSGD = ("codec=powersgd:rank=2", "feedback=none")  # its error memory and warm-start Q must resume
 
 
@@ -271,12 +272,7 @@ def test_the_resume_job_ends_cleanly(resume_job):
 def test_short_wrn_run_beats_chance_and_plots(tmp_path):
     log = tmp_path / "wrn"
     args = [
-        "--model",
-        "wrn",
-        "--depth",
-        "10",
-        "--widen-factor",
-        "1",
+        *WRN10,
         "--dataset",
         "synthetic",
         "--epochs",
@@ -864,18 +860,7 @@ def test_a_full_disk_ends_the_job_at_once_with_one_line(tmp_path, what):
         pytest.skip("cannot mount a tmpfs here")
     log = small / "run"
     if what == "checkpoint":
-        args = [
-            "--model",
-            "wrn",
-            "--depth",
-            "10",
-            "--widen-factor",
-            "1",
-            "--steps",
-            "30",
-            "--checkpoint-every-steps",
-            "5",
-        ]
+        args = [*WRN10, "--steps", "30", "--checkpoint-every-steps", "5"]
         said = [  # separate lines: a worker whose own checkpoint did not fit either may say so between them
             "[psgrad rank 0] CheckpointError while waiting for messages (step 10): could not write "
             f"{log}/ckpt-step10/rank0.pt: No space left on device (free space there, or start again with another "

@@ -43,12 +43,8 @@ def _matrices(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _shapes(model: str, depth: int, widen_factor: int, classes: int, matrices: str | None, vectors: int) -> list:
-    if matrices is None:
-        from ..models import build_model
-
-        built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
-        return [tuple(p.shape) for p in built.parameters()]
+def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
+    """``--matrices`` (and ``--vector-params``) as the layer shapes they describe."""
     try:
         shapes = _matrices(matrices)
     except ValueError as err:
@@ -151,12 +147,16 @@ def plan(
     if step_ms is None and matrices is not None:
         raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
     rtt = rtt_ms
-    shapes = _shapes(model, depth, widen_factor, classes, matrices, vector_params)
-    if step_ms is None:
+    if matrices is not None:
+        shapes = _matrix_shapes(matrices, vector_params)
+    else:
         from ..models import build_model
-        from ..plan import measured_step_s
 
         built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
+        shapes = [tuple(p.shape) for p in built.parameters()]
+    if step_ms is None:  # a psgrad model (--matrices needs a step time): the one built above
+        from ..plan import measured_step_s
+
         step_ms = 1e3 * measured_step_s(built, batch_size=batch_size, classes=classes)
         click.echo(
             f"compute-only step measured here: {step_ms:.1f} ms (--model {model}, batch {batch_size}, one thread)"

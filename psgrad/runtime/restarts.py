@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, resolve
+from ..checkpoint import CheckpointError, resolve, step_of
 from .exits import GAVE_UP, NO_CHECKPOINT, USAGE, WOULD_FAIL_AGAIN
 from .sentinel import FAILURES
 
@@ -215,9 +215,8 @@ def _restarts(
             current = again(command, add=["--overwrite"])
             continue
         lost = ""
-        resumed_at = int(newest.name.removeprefix("ckpt-step"))
         if failure.step is not None:
-            lost = f", {max(0, failure.step - resumed_at)} step(s) to train again"
+            lost = f", {max(0, failure.step - step_of(newest))} step(s) to train again"
         say(f"restart {restarts} of {max_restarts}: {what}; resuming from {newest}{lost}")
         current = again(command, add=["--resume", log_dir])
 
