@@ -80,6 +80,30 @@ def test_an_overlapped_exchange_moves_by_the_servers_result_minus_the_workers_ow
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) > 1e-4  # two workers: late is not the same
 
 
+def test_with_one_worker_an_overlapped_exchange_changes_nothing_under_outer_momentum(tmp_path):
+    """One worker, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): the worker's replica of the
+    outer optimizer, fed its own delta, lands where the servers do, so the overlapped run equals
+    the one that waits, to rounding. Also with PowerSGD at an exact rank, whose reply is an
+    update: applied to the worker's end point instead of theta_sync, it would count the worker's
+    own steps twice; without the replica, the steps would start an outer momentum step behind."""
+    base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4"]
+    exact = ["--codec", "powersgd:rank=64,min_rate=0"]
+    runs = {
+        "waits": base,
+        "overlaps": [*base, "--overlap-exchange"],
+        "powersgd-waits": [*base, *exact],
+        "powersgd-overlaps": [*base, *exact, "--overlap-exchange"],
+    }
+    out = train_runs(tmp_path, runs, n=2, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in runs}
+    for ours, theirs, tolerance in (("overlaps", "waits", 1e-5), ("powersgd-overlaps", "powersgd-waits", 1e-4)):
+        gap = max(float((models[ours][k] - models[theirs][k]).abs().max()) for k in models[ours])
+        assert gap < tolerance, (ours, gap)
+    moved = max(float((models["waits"][k] - models["powersgd-waits"][k]).abs().max()) for k in models["waits"])
+    assert moved < 1e-3  # the exact rank is exact: PowerSGD runs the dense run's course
+
+
 def test_exchanges_are_counted_on_the_wire_not_batches():
     cfg = RunConfig(local_steps=4)
     assert [exchange_of(cfg, s) for s in (0, 3, 4, 9)] == [0, 0, 1, 2]

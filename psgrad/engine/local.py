@@ -12,17 +12,25 @@ A step is one batch, as always. Per step on a worker:
    reply, taken in the next step's forward, is the new theta_sync (a multi-round codec's reply is
    the update, applied here to theta_sync as the servers apply it).
 On the wire an exchange is numbered k = step // H, so the servers count exchanges, not batches.
-With ``--overlap-exchange`` step 3 does not wait and the layers stay where they are: the reply is
-taken at the next exchange, and the worker moves by the servers' result minus its own end point.
+With ``--overlap-exchange`` step 3 does not wait (eager, as overlapped DiLoCo does):
+4. The worker applies the outer optimizer itself, to theta_sync with its own delta in place of the
+   average it does not have yet (a replica of the servers' optimizer, fed this worker's deltas),
+   and trains on from that provisional point P.
+5. The reply is taken at the next exchange: theta = reply + (theta - P). The steps taken since move
+   on from the servers' result, and a reply that is an update (a delta, PowerSGD's code) applies
+   to theta_sync, the base the servers applied it to.
+With one worker, the replica's P is the servers' result, and overlapping changes nothing; taking
+the worker's own end point as P instead (no replica) left the next steps an outer momentum step
+behind the servers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm.protocol import Layer, StepStats
+from ..comm.protocol import Layer, StepStats, copy_flat_into
 from ..config import RunConfig
-from ..optim import learning_rate
+from ..optim import LayerOptimizer, learning_rate
 from .clock import StepClock
 
 
@@ -61,6 +69,9 @@ class LocalSteps:
         trainable = [p for p in self.params.values() if p.requires_grad]
         self.inner = inner_optimizer(self.cfg, trainable, self.ctx.optimizer_fn)
         self.synced: dict[str, torch.Tensor] = {}  # theta_sync; empty: take the servers' reply first
+        self.started: dict[str, torch.Tensor] = {}  # overlapped: the provisional point P (step 4)
+        # overlapped: the servers' outer optimizer, fed this worker's deltas at every exchange
+        self.replica = LayerOptimizer.from_config(self.cfg) if self.cfg.overlap_exchange else None
 
     def local_train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """Steps 1-3 of the module for one batch."""
@@ -106,16 +117,20 @@ class LocalSteps:
         """Push every layer's change since theta_sync.
 
         Without overlap, each layer goes back to theta_sync, and the next step's forward takes the
-        reply (the new theta_sync). Overlapped: the worker trains on from where it is, which is its
-        next theta_sync for now; the reply, taken at the next exchange, moves it by the servers'
-        result minus its own (``_take_overlapped_reply``)."""
+        reply (the new theta_sync). Overlapped: each layer moves to the replica's provisional
+        point P, where the worker trains on; the reply, taken at the next exchange, moves it by the
+        servers' result minus P (``_take_overlapped_reply``). The replica steps at every exchange,
+        so its momentum follows the servers' through the exchanges that wait."""
         if self.deferred:
             self._take_overlapped_reply()
         self.post_pulls(exchange + 1)
         for layer in self.layers:
-            self.push(layer, self._change(layer, back=not overlapped))
+            change = self._change(layer, back=not overlapped)
+            if self.replica is not None:  # before the push: feedback may change ``change`` in place
+                self._provisional_step(layer, change, move=overlapped)
+            self.push(layer, change)
         if overlapped:
-            self._remember()
+            self.started = {name: p.detach().clone() for name, p in self.params.items()}
             self.deferred = True
             self.progress_exchange()
             return
@@ -125,13 +140,21 @@ class LocalSteps:
         self.transport.wait_all(self.sends, self._idle())
         self.sends = []
 
+    def _provisional_step(self, layer: Layer, change: torch.Tensor, *, move: bool) -> None:
+        """Step 4: the replica's outer step from theta_sync with this worker's ``change``; with
+        ``move`` the layer's parameters go to that point P."""
+        point = torch.cat([self.synced[name].reshape(-1) for name in layer.params])
+        self.replica.step(layer.name, point, change, self.cfg.outer_lr)
+        if move:
+            copy_flat_into(self.params, layer.params, point)
+
     def _take_overlapped_reply(self) -> None:
-        """The reply of the last, overlapped exchange: theta = reply + (theta - theta_sync), so
-        the steps taken since go on from the servers' result; it is the new theta_sync."""
+        """The reply of the last, overlapped exchange: theta = reply + (theta - P), so the steps
+        taken since go on from the servers' result; it is the new theta_sync."""
         with torch.no_grad():
-            progress = {name: p.detach() - self.synced[name] for name, p in self.params.items()}
+            progress = {name: p.detach() - self.started[name] for name, p in self.params.items()}
             for name, p in self.params.items():
-                p.copy_(self.synced[name])  # a reply may be an update of theta_sync (PowerSGD)
+                p.copy_(self.synced[name])  # a delta or PowerSGD's reply updates theta_sync
             self.deferred = False
             self.finish_pulls()
             self._remember()
@@ -165,7 +188,10 @@ class LocalSteps:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def local_state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict()}
+        replica = {"outer_replica": self.replica.state_dict()} if self.replica is not None else {}
+        return {"inner": self.inner.state_dict(), **replica}
 
     def load_local_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
+        if self.replica is not None:  # a checkpoint written before the replica existed: it starts anew
+            self.replica.load_state_dict(state.get("outer_replica", {}))
