@@ -94,18 +94,29 @@ class RunContext:
     ) -> RunContext:
         """Build this rank's context (collective: every rank calls it).
 
-        1. Threads, this rank's device, and the model, from the same seed on every rank.
-        2. The layer plan, sharded over the serving ranks by coded bytes.
-        3. This rank's data and the run's steps (``shards.rank_data``: the job stops there when a
-           dataset cannot serve it).
-        4. The resumed state, and the step the run starts at.
+        1. This rank's data and the run's steps (``shards.rank_data``: the job stops there when a
+           dataset cannot serve it), before anything large is built.
+        2. The run's checkpoints, the resumed state and the step the run starts at.
+        3. Threads, this rank's device, and the model, from the same seed on every rank.
+        4. The layer plan, sharded over the serving ranks by coded bytes.
         """
-        torch.set_num_threads(cfg.threads)
         trains = layout.is_worker(transport.rank)
+        data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
+        checkpoints = Checkpoints(
+            cfg.log_dir,
+            transport=transport,
+            total=data.total,
+            every=cfg.checkpoint_every_steps,
+            keep=cfg.keep_checkpoints,
+        )
+        resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
+        torch.set_num_threads(cfg.threads)
         device = rank_device(cfg.device, transport=transport, is_worker=trains)
         model = seeded_model(
             model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
         )
+        evaluations = Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data)
+        buffers_size = buffers_vector(model).numel()
         layers = plan_layers(
             [(name, tuple(p.shape)) for name, p in model.named_parameters()],
             granularity=cfg.granularity,
@@ -114,9 +125,6 @@ class RunContext:
             cost=coded_cost(cfg.codec),
         )
         transport.check_tag(layer_tag(len(layers)))
-        data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
-        resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
-        schedule = {"every": cfg.checkpoint_every_steps, "keep": cfg.keep_checkpoints}  # of the checkpoints
         ctx = cls(
             cfg=cfg,
             transport=transport,
@@ -129,12 +137,12 @@ class RunContext:
             total=data.total,
             start=start,
             device=device,
-            evaluations=Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data),
-            checkpoints=Checkpoints(cfg.log_dir, transport=transport, total=data.total, **schedule),
+            evaluations=evaluations,
+            checkpoints=checkpoints,
             loader=data.loader,
             resume=resume,
             optimizer_fn=optimizer_fn,
-            buffers_size=buffers_vector(model).numel(),
+            buffers_size=buffers_size,
         )
         _announce(ctx, named_model=model_fn is None)
         return ctx

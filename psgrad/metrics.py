@@ -243,6 +243,22 @@ class MetricsLog:
         message = f"[eval] epoch {row['epoch']:.2f} step {row['step']}: test loss {row['test_loss']:.4f}, accuracy {row['test_acc']:.4f} ({row['dataset']})"
         say(message)
 
+    def summary(self, *, steps: int, data: str) -> str | None:
+        """The run's done line (None without rows): ``steps`` trained, the last loss, it/s and
+        MB/step over the rows kept (their first fifth left out as warm-up), the last test accuracy."""
+        rows = list(self.rows)
+        if not rows:
+            return None
+        tail = rows[len(rows) // 5 :] or rows
+        its = len(tail) / max(1e-9, sum(1 / r["it_per_s"] for r in tail))
+        mb = sum(r["bytes_up"] + r["bytes_down"] for r in tail) / len(tail) / 1e6
+        acc = f", test accuracy {self.evals[-1]['test_acc']:.4f}" if self.evals else ""
+        diverged = f" (diverged from step {self.diverged_at})" if self.diverged_at is not None else ""
+        return (
+            f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4g}{diverged}, {its:.2f} it/s, "
+            f"{mb:.3f} MB/step (up+down, all workers){acc} [{data}]"
+        )
+
     def close(self) -> None:
         if self.bar:
             self.bar.close()

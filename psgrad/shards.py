@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
+from .agreement import read_agreed
 from .comm.layout import RankLayout
 from .config import RunConfig
 from .data import DataError, ImageSet, RankData, ShardLoader, load_dataset
-from .startup import agree
 
 if TYPE_CHECKING:  # the interface only
     from .comm.channel import Channel
-
-T = TypeVar("T")
 
 
 class IterLoader:
@@ -46,18 +44,6 @@ def load_split(cfg: RunConfig, split: str) -> ImageSet:
         synthetic_size=cfg.synthetic_samples,
         seed=cfg.seed,
     )
-
-
-def read_agreed(cfg: RunConfig, transport: Channel, read: Callable[[], T]) -> T | None:
-    """``read()`` on every rank, then agree (collective): a dataset that cannot serve the run
-    (``DataError``, a missing file) is one error for the job, said once by the lowest rank that has
-    it (``startup.agree``), and ``AgreementError`` on every rank; not a traceback per rank."""
-    try:
-        result, problem = read(), None
-    except (DataError, FileNotFoundError) as err:
-        result, problem = None, str(err)
-    agree(transport, None if problem else cfg, problem, "data error")
-    return result
 
 
 def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
@@ -100,7 +86,7 @@ def rank_data(
                 loader = shard_loader(cfg, worker=index, workers=workers)
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
 
-    loader, test_set = read_agreed(cfg, transport, read)
+    loader, test_set = read_agreed(cfg, transport, read, problems=(DataError, FileNotFoundError))
     spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
     label = cfg.dataset_label if loader_fn is None else "custom data"

@@ -1,83 +1,18 @@
-"""What every rank agrees on before training: nobody has a usage error, and all run one config.
-
-An MPMD launch (``psgrad server … : psgrad worker …``) or a typo in one rank's command line can
-give ranks different settings; run on anyway, they would send each other messages of the wrong
-codec or stop at different steps. And a usage error that every rank hits prints once per rank.
-So the first thing every rank does under MPI is ``agree``:
-1. One allreduce of a one-hot vector: which ranks have a usage error. If any, the lowest of them
-   prints its error (once for the whole job) and every rank raises ``AgreementError``.
-2. Rank 0 broadcasts its config; every rank compares it with its own, leaving out the settings
-   that may differ per rank (``PER_RANK``).
-3. One more one-hot allreduce: which ranks differ. The lowest of them prints one error naming
-   each differing option with its value there and on rank 0; every rank raises ``AgreementError``.
-"""
+"""Every rank's start, before anything is built: the settings are valid, the run's rank layout,
+and what could stop this rank, agreed on by every rank (``psgrad.agreement``)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import TYPE_CHECKING
 
-from .choices import option_flag
+from .agreement import AgreementError, agree
 
 if TYPE_CHECKING:  # the interface loads numpy: not for --help
     from .comm.channel import Channel
     from .comm.layout import RankLayout
     from .config import RunConfig
 
-PER_RANK = frozenset({"device", "threads", "progress"})
-"""Settings a rank may have of its own (a GPU worker beside a CPU server, the bar on rank 0)."""
-
-
-class AgreementError(ValueError):
-    """The ranks do not agree; the message was printed once, by one rank."""
-
-
-def _first(transport: Channel, mine: bool) -> int | None:
-    """The lowest rank for which ``mine`` is true (one allreduce), or None."""
-    flags = [0.0] * transport.size
-    flags[transport.rank] = 1.0 if mine else 0.0
-    total = transport.allreduce_sum(flags)
-    return next((rank for rank, flag in enumerate(total) if flag), None)
-
-
-def config_difference(mine: dict, theirs: dict) -> list[str]:
-    """One ``--option: value here, value on rank 0`` entry per differing run setting."""
-    return [
-        f"{option_flag(key)} {mine.get(key)!r} here, {theirs.get(key)!r} on rank 0"
-        for key in sorted(set(mine) | set(theirs))
-        if key not in PER_RANK and mine.get(key) != theirs.get(key)
-    ]
-
-
-def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error") -> None:
-    """Return when every rank is free of usage errors and runs rank 0's config (see module doc).
-
-    A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises.
-    ``kind`` names the error where it is printed (a "data error": an unreadable dataset)."""
-    if transport.size == 1:
-        if usage_error is not None:
-            print(f"[psgrad] {kind}: {usage_error}", file=sys.stderr, flush=True)
-            raise AgreementError(usage_error)
-        return
-    first = _first(transport, usage_error is not None)
-    if first is not None:
-        if first == transport.rank:
-            print(f"[psgrad rank {first}] {kind}: {usage_error}", file=sys.stderr, flush=True)
-        raise AgreementError(f"rank {first} has a {kind}")
-    mine = json.loads(cfg.to_json())
-    theirs = json.loads(transport.broadcast_bytes(cfg.to_json().encode() if transport.rank == 0 else None))
-    differences = config_difference(mine, theirs)
-    first = _first(transport, bool(differences))
-    if first is not None:
-        if first == transport.rank:
-            print(
-                f"[psgrad rank {first}] the ranks run different configurations; give every rank the same options: "
-                + "; ".join(differences),
-                file=sys.stderr,
-                flush=True,
-            )
-        raise AgreementError(f"rank {first} runs another configuration than rank 0")
+__all__ = ["AgreementError", "prepare"]  # a failed prepare raises AgreementError: callers catch it from here
 
 
 def prepare(cfg: RunConfig, *, transport: Channel) -> RankLayout:

@@ -135,7 +135,9 @@ def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callabl
             log.step(row)
         result.rows, result.evals = list(log.rows), log.evals
         log.close()
-        _summary(result, ctx.label, ctx.total - ctx.start, diverged_at=log.diverged_at)
+        done = log.summary(steps=ctx.total - ctx.start, data=ctx.label)
+        if done:
+            print(done, file=sys.stderr)
         if saved is not None:  # after the progress bar and the summary, not in the middle of them
             print(
                 f'[psgrad] trained model: {saved} (psgrad.load_model; docs/training.md, "What a run leaves behind")',
@@ -161,18 +163,3 @@ def _load_state(role, ctx: RunContext) -> None:
             f"({type(err).__name__}: {err}){since}. Resume with that run's settings: without --config, psgrad "
             "takes every setting the command line does not give from the config.json of the run it resumes"
         ) from err
-
-
-def _summary(result: RunResult, label: str, steps: int, *, diverged_at: int | None) -> None:
-    rows = result.rows
-    if not rows:
-        return
-    tail = rows[len(rows) // 5 :] or rows  # skip warm-up
-    its = len(tail) / max(1e-9, sum(1 / r["it_per_s"] for r in tail))
-    mb = sum(r["bytes_up"] + r["bytes_down"] for r in tail) / len(tail) / 1e6
-    acc = f", test accuracy {result.evals[-1]['test_acc']:.4f}" if result.evals else ""
-    diverged = f" (diverged from step {diverged_at})" if diverged_at is not None else ""
-    print(
-        f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4g}{diverged}, {its:.2f} it/s, {mb:.3f} MB/step (up+down, all workers){acc} [{label}]",
-        file=sys.stderr,
-    )

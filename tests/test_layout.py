@@ -83,7 +83,7 @@ FLOORS = [
     (2, ["psgrad.sim.local", "psgrad.sim.world", "psgrad.accuracy"]),
     (3, ["psgrad.backprop", "psgrad.sim.stacked"]),
     (1, ["psgrad.runtime.sentinel", "psgrad.runtime.signals", "psgrad.runtime"]),
-    (2, ["psgrad.checkpoint", "psgrad.runtime.watchdog"]),
+    (2, ["psgrad.checkpoint", "psgrad.runtime.watchdog", "psgrad.agreement"]),
     (3, ["psgrad.evaluation", "psgrad.checkpointing", "psgrad.runtime.restarts"]),
     (3, ["psgrad.shards", "psgrad.ddpcomm"]),
     (3, ["psgrad.context", "psgrad.startup"]),

@@ -271,8 +271,8 @@ def test_missing_cifar_is_one_usage_error_before_training(tmp_path):
 
 
 def test_settings_of_a_rank_own_are_not_a_mismatch():
+    from psgrad.agreement import config_difference
     from psgrad.config import RunConfig
-    from psgrad.startup import config_difference
 
     base = json.loads(RunConfig().to_json())
     assert config_difference({**base, "device": "cuda", "threads": 4, "progress": False}, base) == []

@@ -173,8 +173,10 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
     evaluate (each worker trains alone)."""
     if kind not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
+    from ..agreement import read_agreed
     from ..comm.transport import Transport  # imported here: importing mpi4py's MPI initialises MPI
-    from ..shards import load_split, read_agreed
+    from ..data import DataError
+    from ..shards import load_split
 
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()
@@ -187,7 +189,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         return model, loader, load_split(cfg, "test") if evaluates else None
 
     # as psgrad's own runs: an unreadable dataset is one line for the job
-    model, loader, test = read_agreed(cfg, transport, read)
+    model, loader, test = read_agreed(cfg, transport, read, problems=(DataError, FileNotFoundError))
     numel = sum(p.numel() for p in model.parameters())
 
     # the mean shard, as psgrad's runs agree on it

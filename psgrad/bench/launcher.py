@@ -349,8 +349,8 @@ def _child(job_path: str) -> None:
 
     keep_freed_memory()  # a bench job's ranks run as psgrad train's do
     hold_goodbyes()  # the process ends with the job (finalize_and_exit): a rank dying on the way out is named too
+    from ..agreement import AgreementError
     from ..comm.transport import finalize_and_exit
-    from ..startup import AgreementError
 
     job = json.loads(Path(job_path).read_text())
     cfg = RunConfig.from_json(json.dumps(job["config"]))

@@ -103,11 +103,11 @@ def worker(**options) -> None:
 @config_option
 def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     """Train N workers (and their servers) as threads of this one process, no MPI launch: `psgrad simulate --workers 16 ...`."""
+    from ..agreement import AgreementError
     from ..runtime.allocator import keep_freed_memory
     from ..runtime.signals import launched_ranks
     from ..sim.simulate import simulate as run_simulation
     from ..sim.simulate import world_size
-    from ..startup import AgreementError
 
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")

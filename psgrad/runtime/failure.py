@@ -10,10 +10,10 @@ import traceback
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
+from ..agreement import AgreementError
 from ..comm.protocol import NonFiniteError
 from ..comm.waiting import PeerFailure
 from ..metrics import say
-from ..startup import AgreementError
 from .exits import CHECKPOINT, FAILED, NONFINITE
 from .signals import ignore_further_stops, stop_reason
 

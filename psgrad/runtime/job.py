@@ -37,7 +37,7 @@ def run_command(
        in a single rank, an expected stop of ``train.run`` (which said its line) exits with its
        status (``failure.exit_status``).
     """
-    from ..startup import AgreementError
+    from ..agreement import AgreementError
     from .signals import stop_reason, stop_signals_end_the_rank, stop_signals_raise
 
     try:
@@ -56,8 +56,8 @@ def run_command(
     except click.UsageError as err:
         if ranks < 2 or not agrees_on_usage():
             raise
+        from ..agreement import agree
         from ..comm.transport import Transport
-        from ..startup import agree
 
         try:
             agree(Transport(), None, err.format_message())
