@@ -174,7 +174,7 @@ class TrainingSettings:
         False,
         section=TRAINING,
         unused=(_local_steps_only("--overlap-exchange"),),
-        help="With --local-steps: an exchange does not wait; the workers train on while their change travels and the servers update, and take the reply at the next exchange, moved by the progress made meanwhile (one outer step late, as eager and streaming DiLoCo). The exchange before a checkpoint and the last one wait.",
+        help="With --local-steps: an exchange does not wait. Each worker takes the outer step itself with its own change (a replica of the servers' optimizer) and trains on from there while the change travels; at the next exchange it moves by the servers' result minus its own (eager DiLoCo). The exchange before a checkpoint and the last one wait.",
     )
     amp: str = setting(
         "off",
