@@ -86,7 +86,7 @@ def test_with_one_worker_an_overlapped_exchange_changes_nothing_under_outer_mome
     the one that waits, to rounding. Also with PowerSGD at an exact rank, whose reply is an
     update: applied to the worker's end point instead of theta_sync, it would count the worker's
     own steps twice; without the replica, the steps would start an outer momentum step behind."""
-    base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4"]
+    base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4", "--outer-momentum", "0.9"]
     exact = ["--codec", "powersgd:rank=64,min_rate=0"]
     runs = {
         "waits": base,
