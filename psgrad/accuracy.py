@@ -40,8 +40,11 @@ DIGITS = "real handwritten digits (--dataset digits, 3 seeds)"
 """Where the ``digits`` figures come from (``DATASET=digits bash benchmarks/proxy-accuracy.sh``)."""
 
 
-_DILOCO = "H={h}, inner sgd, outer nesterov lr 0.7 momentum 0.9"
-"""``local_key`` of --local-steps H at the defaults (DiLoCo's outer optimizer)."""
+_LOCAL = "H={h}, inner sgd, outer nesterov lr 0.7 momentum 0.5{overlap}"
+"""``local_key`` of --local-steps H at the defaults."""
+
+_DILOCO = "H={h}, inner sgd, outer nesterov lr 0.7 momentum 0.9{overlap}"
+"""``local_key`` of --local-steps H with DiLoCo's outer optimizer (``--outer-momentum 0.9``)."""
 
 _AVERAGING = "H={h}, inner sgd, outer sgd lr 1 momentum 0{overlap}"
 """``local_key`` of plain averaging: outer SGD at lr 1 without momentum."""
@@ -134,24 +137,24 @@ MEASURED = (
         'docs/benchmarks.md, "Which codec learns"', held_out=1.00, digits=0.991,
     ),
     Measured(
-        "none", "none", "none", 0.984, "--local-steps 32, dense exchanges, 15 epochs, median of 3 seeds paired with dense",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32), digits=0.823,
+        "none", "none", "none", 0.984, "--local-steps 32 --outer-momentum 0.9, dense exchanges, 15 epochs, median of 3 seeds paired with dense",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32, overlap=""), digits=0.823,
     ),
     Measured(
-        "powersgd:rank=8", "none", "none", 0.914, "--local-steps 32 with powersgd:rank=8, 15 epochs, median of 2 seeds",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32), digits=0.789,
+        "powersgd:rank=8", "none", "none", 0.914, "--local-steps 32 --outer-momentum 0.9 with powersgd:rank=8, 15 epochs, median of 2 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32, overlap=""), digits=0.789,
     ),
     Measured(
-        "none", "none", "none", 0.974, "--local-steps 64, dense exchanges, 15 epochs, 1 seed",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=64),
+        "none", "none", "none", 0.974, "--local-steps 64 --outer-momentum 0.9, dense exchanges, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=64, overlap=""),
     ),
     Measured(
-        "none", "none", "none", 0.942, "--local-steps 8, dense exchanges, 15 epochs, 1 seed",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8), digits=0.966,
+        "none", "none", "none", 0.942, "--local-steps 8 --outer-momentum 0.9, dense exchanges, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8, overlap=""), digits=0.966,
     ),
     Measured(
-        "powersgd:rank=8", "none", "none", 0.921, "--local-steps 8 with powersgd:rank=8, 15 epochs, 1 seed",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8),
+        "powersgd:rank=8", "none", "none", 0.921, "--local-steps 8 --outer-momentum 0.9 with powersgd:rank=8, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=8, overlap=""),
     ),
     Measured(
         "none", "none", "none", 0.981, "--local-steps 8, plain averaging (outer SGD at lr 1), 15 epochs, 1 seed",
@@ -162,12 +165,36 @@ MEASURED = (
         'docs/benchmarks.md, "Slow links"', local=_AVERAGING.format(h=8, overlap=", overlapped"),
     ),
     Measured(
-        "none", "none", "none", 0.712, "--local-steps 32 --overlap-exchange, dense exchanges, 15 epochs, 1 seed",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32) + ", overlapped",
+        "none", "none", "none", 0.813, "--local-steps 32 --outer-momentum 0.9 --overlap-exchange, dense exchanges, median of 2 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32, overlap=", overlapped"),
     ),
     Measured(
-        "powersgd:rank=8", "none", "none", 0.607, "--local-steps 32 --overlap-exchange with powersgd:rank=8, 1 seed",
-        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32) + ", overlapped",
+        "powersgd:rank=8", "none", "none", 0.646, "--local-steps 32 --outer-momentum 0.9 --overlap-exchange, powersgd:rank=8, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_DILOCO.format(h=32, overlap=", overlapped"),
+    ),
+    Measured(
+        "none", "none", "none", 0.993, "--local-steps 32, dense exchanges, 15 epochs, median of 3 seeds paired with dense",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.003,
+    ),
+    Measured(
+        "qsgd:levels=16", "ef", "none", 0.992, "--local-steps 32, qsgd:levels=16 with ef up, dense down, median of 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.006,
+    ),
+    Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=16", 0.983, "--local-steps 32, qsgd:levels=16 with ef both ways, median of 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.003,
+    ),
+    Measured(
+        "powersgd:rank=8", "none", "none", 0.959, "--local-steps 32 with powersgd:rank=8, 15 epochs, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.000,
+    ),
+    Measured(
+        "none", "none", "none", 0.962, "--local-steps 32 --overlap-exchange, dense exchanges, median of 2 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped"),
+    ),
+    Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=16", 0.949, "--local-steps 32 --overlap-exchange, qsgd:levels=16 with ef both ways, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped"), digits=0.991,
     ),
 )  # fmt: skip
 
