@@ -4,9 +4,10 @@ bandwidth and round-trip time, which link is the busiest, and what limits the st
 For a model's layer shapes, a codec (and down-link codec), a topology, N workers, a link
 (bandwidth, RTT), the compute-only step time ``compute_s`` and local steps H:
 
-1. Bytes a worker sends up per step, ``up``: each layer's coded message (``protocol.coded_cost``;
-   1-D parameters dense, in one bucket), and the bytes it receives back, ``down``: the down-link
-   codec's messages, dense values without one, or PowerSGD's summed factors (as many as it sent).
+1. Bytes a worker sends up per step, ``up``: each layer's message for a typical gradient
+   (``message_bytes``: a seeded normal tensor, coded; 1-D parameters dense, in one bucket), and
+   the bytes it receives back, ``down``: the down-link codec's messages, dense values without
+   one, or PowerSGD's summed factors (as many as it sent).
 2. Bytes on the busiest link, per direction (links are full duplex):
    - ``ps`` (S servers): a server's link carries N/S of every worker's up (in) and down (out);
    - ``colocated``: every rank serves 1/N of the layers and works: it sends (N-1)/N of its up and
@@ -38,16 +39,16 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from .codecs import make_codec
-from .comm.protocol import coded_cost, plan_layers
-
-if TYPE_CHECKING:  # the interface only
-    import torch
+from .comm import wire
+from .comm.protocol import plan_layers
 
 CODE_GBPS = {"none": math.inf, "fp16": 12.0, "sign": 10.6, "topk": 6.9, "qsgd": 2.4, "powersgd": 1.7}
 """Round-trip (encode + decode) GB/s of the fp32 gradient at 4 M elements on the development VM
@@ -114,15 +115,44 @@ def _elements(shapes: Sequence[tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
 
+SAMPLE_ELEMENTS = 1 << 22
+"""Layers above this many elements are coded from a sample of their rows (``message_bytes``)."""
+
+
+@functools.lru_cache(maxsize=256)
+def message_bytes(spec: str, shape: tuple[int, ...]) -> float:
+    """Bytes of one layer's message under ``spec`` for a typical gradient of ``shape``.
+
+    The wire's bound (``wire.max_message_bytes``) overstates what travels wherever the codec's
+    output compresses: QSGD-16's levels are mostly 0 and 1, and blosc packs its message into 0.44
+    of the bound. So:
+
+    1. Dense values (``none``) take their bound, exact to the header.
+    2. Otherwise encode a seeded standard-normal tensor of ``shape`` and measure its message; above
+       ``SAMPLE_ELEMENTS`` elements, a tensor of fewer rows, whose ratio of message to bound
+       scales the layer's bound (the codecs' compressibility does not depend on the row count:
+       QSGD's norms are per bucket, PowerSGD's factors grow with the rows as its bound does).
+    """
+    bound = wire.max_message_bytes(spec, shape)
+    if make_codec(spec).name == "none":
+        return float(bound)
+    sample = shape
+    if math.prod(shape) > SAMPLE_ELEMENTS:
+        row = math.prod(shape[1:])
+        sample = (max(1, SAMPLE_ELEMENTS // row), *shape[1:])
+    grad = torch.randn(sample, generator=torch.Generator().manual_seed(0))
+    coded = len(wire.dumps(make_codec(spec).encode(grad, seed=0)))
+    return bound * coded / wire.max_message_bytes(spec, sample)
+
+
 def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
     """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: the layers psgrad's run
-    plans (``protocol.plan_layers``, the 1-D parameters dense in one bucket), each at the run's
-    own cost of it (``protocol.coded_cost``)."""
+    plans (``protocol.plan_layers``, the 1-D parameters dense in one bucket), each a typical
+    message of its shape (``message_bytes``)."""
     layers = plan_layers(
         [(f"p{i}", tuple(shape)) for i, shape in enumerate(shapes)], granularity="layer", owners=1, bucket_vectors=True
     )
-    cost = coded_cost(spec)
-    return sum(cost(layer.shape, layer.compress) for layer in layers)
+    return sum(message_bytes(spec if layer.compress else "none", tuple(layer.shape)) for layer in layers)
 
 
 def _rounds(spec: str) -> int:
