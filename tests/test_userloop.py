@@ -41,6 +41,7 @@ def test_with_codec_none_it_is_data_parallel_sgd_and_equals_ddp(tmp_path, topolo
         ("colocated", ["sign:bucket=32", "ef", "qsgd:levels=16"]),  # worker and server-part memories
         ("ps", ["topk:ratio=0.1", "ef"]),  # the workers' error feedback
         ("ps", ["powersgd:rank=2"]),  # PowerSGD's rounds, error and Q on the workers
+        ("ps", ["qsgd:levels=16", "ef", "qsgd:levels=16"]),  # the serving-only rank's down-link memory
     ],
 )
 def test_a_checkpoint_round_trip_resumes_compression_exactly(tmp_path, topology, codec):
@@ -86,6 +87,7 @@ def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
     for result in _results(tmp_path, "misuse", "colocated", "none"):
         assert "before step() or synchronize()" in result["zero_grad"], result
         assert "backward_passes_per_step=1" in result["second_backward"], result
+        assert "save after step()" in result["state_mid_step"], result
         assert "needs synchronize() first" in result["skip_without_synchronize"], result
         assert "one DistributedOptimizer per process" in result["second_optimizer"], result
         assert result["went_on"] == "yes"

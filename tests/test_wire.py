@@ -287,3 +287,41 @@ def test_fuzzed_messages_raise_only_wire_error():
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert not others, f"{len(others)} non-WireError exceptions, e.g. {others[:3]}"
     assert grown_mb < 100, f"peak RSS grew {grown_mb:.0f} MB"
+
+
+def _memory_layers():
+    from psgrad.comm.protocol import Layer
+
+    return [
+        Layer(0, "conv.weight", (4, 3), ("conv.weight",), owner=1),
+        Layer(1, "__bias__", (5,), ("a.bias",), owner=1, compress=False),  # exact: no memory
+        Layer(2, "fc.weight", (2, 6), ("fc.weight",), owner=1),
+        Layer(3, "other.weight", (7,), ("other.weight",), owner=2),  # another server's
+    ]
+
+
+def test_a_servers_down_link_memory_travels_exactly_and_only_its_own_layers():
+    from psgrad.engine.downmemory import memory_bound, memory_message, memory_state
+
+    layers = _memory_layers()
+    state = {"residual/conv.weight": torch.randn(4, 3), "residual/fc.weight": torch.randn(2, 6)}
+    msg = memory_message(state, layers=layers, server=1, step=7, sender=1)
+    data = wire.dumps(msg)
+    assert len(data) <= memory_bound(layers, 1)
+    back = memory_state(wire.loads(data, max_bytes=memory_bound(layers, 1)), layers=layers, server=1)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    # before the first step there is no memory, and none comes back
+    empty = wire.loads(wire.dumps(memory_message({}, layers=layers, server=1, step=0, sender=1)))
+    assert memory_state(empty, layers=layers, server=1) == {}
+
+
+def test_a_down_link_memory_that_does_not_fit_the_layer_plan_is_refused():
+    from psgrad.engine.downmemory import memory_message, memory_state
+
+    layers = _memory_layers()
+    other = memory_message({"residual/other.weight": torch.randn(7)}, layers=layers, server=2, step=0, sender=2)
+    with pytest.raises(WireError, match="for server rank 1"):
+        memory_state(wire.loads(wire.dumps(other)), layers=layers, server=1)
+    with pytest.raises(ValueError, match="same model"):
+        memory_message({"residual/conv.weight": torch.randn(5)}, layers=layers, server=1, step=0, sender=1)

@@ -22,6 +22,7 @@ from .envelope import Envelope
 TAG_CONTROL = 1  # worker -> server: stats, BatchNorm buffers and stop, in the order sent
 TAG_VALUES = 2  # server -> server 0: a server's layer values for evaluation
 TAG_USER = 3  # first worker -> the others: psgrad.userloop's broadcasts
+TAG_MEMORY = 4  # first worker <-> a serving-only rank: its down-link memory, for your checkpoint
 TAG_LAYER_BASE = 16  # + layer index: gradients up and parameters down (direction tells them apart)
 
 

@@ -15,9 +15,10 @@ from contextlib import nullcontext
 import torch
 
 from ..codecs import Message
-from ..comm.protocol import Layer, add_code, code_message, skip_update
+from ..comm.protocol import TAG_MEMORY, Layer, add_code, code_message, skip_update
 from ..comm.waiting import Backoff, Patience
 from ..context import RunContext
+from . import downmemory
 from .server import ServerBase
 
 
@@ -39,6 +40,34 @@ class SyncServer(ServerBase):
         self.round = {layer.index: 1 for layer in self.owned if self.rounds[layer.index] > 1}
         self.code_sum: dict[int, dict[str, torch.Tensor]] = {}
         self.code_replies: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+
+    def start(self) -> None:
+        super().start()
+        if self._keeps_memory():  # the first worker may send this rank's memory to load
+            first = self.workers[0]
+            self._post(("memory", first), downmemory.memory_bound(self.layers, self.rank), first, TAG_MEMORY)
+
+    def _keeps_memory(self) -> bool:
+        """A serving-only rank with a down-link memory: the first worker checkpoints it for this
+        rank (engine.downmemory)."""
+        return self.mean_feedback is not None and self.rank not in self.workers
+
+    def on_control(self, worker: int, msg: Message) -> bool:
+        if self._keeps_memory() and (msg.meta.get("op") == "memory" or msg.layer == downmemory.MEMORY_LAYER):
+            if worker != self.workers[0]:
+                raise RuntimeError(f"rank {worker} asked for the down-link memory, which only the first worker keeps")
+            self.sends.append(
+                downmemory.answer(
+                    msg,
+                    feedback=self.mean_feedback,
+                    layers=self.layers,
+                    rank=self.rank,
+                    worker=worker,
+                    transport=self.transport,
+                )
+            )
+            return True
+        return super().on_control(worker, msg)
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         index = layer.index

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..comm.protocol import Layer, StepStats
+from ..engine import downmemory
 from ..engine.serving import SyncServer
 from ..engine.worker import Worker
 from .broadcast import broadcast_parameters
@@ -66,6 +67,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # they read backprop.pushing, which the counting hook sets for the last pass
         self._hooks = [p.register_post_accumulate_grad_hook(self._count(n)) for n, p in self.params.items()]
         self.server = SyncServer(ctx) if w.layout.is_server(w.transport.rank) else None
+        # the serving-only ranks whose down-link memory this rank checkpoints: the first worker's
+        # job, under ps with a lossy down_codec (engine.downmemory)
+        first = w.transport.rank == w.layout.worker_ranks[0]
+        keeps = first and ctx.make_down_feedback() is not None
+        self.memory_servers = [r for r in w.layout.server_ranks if not w.layout.is_worker(r)] if keeps else []
+        self.layers = layers
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)
         if self.server is not None:
             self.server.start()
@@ -149,13 +156,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:  # type: ignore[override]
         """Your optimizer's state, and this rank's compression memories (error feedback, PowerSGD's
-        factors, a colocated rank's down-link memory) and step: save it per rank."""
+        factors, a colocated rank's down-link memory; on the first worker, the serving-only ranks'
+        down-link memories) and step: save it per rank, between steps."""
+        if any(self.calls.values()) and not self.synchronized:
+            raise RuntimeError(
+                "state_dict() after backward() but before step() or synchronize(): this step's gradients are "
+                "on their way to the servers; save after step()"
+            )
         return {
             "optimizer": self.optimizer.state_dict(),
             "psgrad": {
                 "step": self.step_index,
                 "feedback": self.worker.feedback.state_dict(),
                 "server": self.server.state_dict() if self.server is not None else {},
+                "server_memory": downmemory.fetch(**self._memory_exchange()) if self.memory_servers else {},
             },
         }
 
@@ -169,10 +183,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.worker.feedback.load_state_dict(ours["feedback"])
         if self.server is not None:
             self.server.load_state_dict(ours["server"])
+        if self.memory_servers and "server_memory" in ours:  # a state_dict of an older psgrad has none
+            downmemory.restore(ours["server_memory"], **self._memory_exchange())
         self.step_index = self.worker.step = int(ours["step"])
         self.worker.stats = StepStats(step=self.step_index)
 
     # ------------------------------------------------------------------ inside
+    def _memory_exchange(self) -> dict:
+        """What engine.downmemory's exchange with the serving-only ranks needs."""
+        return {
+            "transport": self.worker.transport,
+            "layers": self.layers,
+            "servers": self.memory_servers,
+            "rank": self.worker.transport.rank,
+            "step": self.step_index,
+            "idle": self.worker._idle(),
+        }
+
     def _count(self, name: str):
         """The hook that counts backward passes, and decides whether the worker's hook pushes."""
 

@@ -208,6 +208,7 @@ def scenario_misuse(model: nn.Module, opt) -> dict:
     backward()
     result["zero_grad"] = raised(opt.zero_grad)
     result["second_backward"] = raised(backward)
+    result["state_mid_step"] = raised(opt.state_dict)
     opt.step()
     backward()
 
