@@ -185,6 +185,14 @@ MEASURED = (
         'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.003,
     ),
     Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=64", 0.992, "--local-steps 32, qsgd:levels=16 with ef up, qsgd:levels=64 down, median of 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.006,
+    ),
+    Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=64", 0.986, "--local-steps 64, qsgd:levels=16 with ef up, qsgd:levels=64 down, median of 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=64, overlap=""), digits=0.994,
+    ),
+    Measured(
         "powersgd:rank=8", "none", "none", 0.959, "--local-steps 32 with powersgd:rank=8, 15 epochs, 1 seed",
         'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=""), digits=1.000,
     ),

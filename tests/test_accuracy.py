@@ -3,6 +3,8 @@ the held-out set."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from psgrad.accuracy import MEASURED, PARITY, accuracy_note, measured
@@ -113,6 +115,10 @@ def test_local_steps_are_measured_apart_from_the_per_step_codecs():
     assert note is not None and "these local steps and codec reached 0.95x" in note and "Slow links" in note
     assert accuracy_note(RunConfig(local_steps=32)) is None  # at parity on both datasets
     assert accuracy_note(RunConfig(local_steps=32, codec="qsgd:levels=16", feedback="ef")) is None
+    q64_down = RunConfig(local_steps=32, codec="qsgd:levels=16", feedback="ef", down_codec="qsgd:levels=64")
+    assert accuracy_note(q64_down) is None  # 64 levels down keep parity; 16 cost a point
+    assert "0.98x" in accuracy_note(replace(q64_down, local_steps=64))  # 0.986: half the exchanges trail
+    assert "0.98x" in accuracy_note(replace(q64_down, down_codec="qsgd:levels=16"))
     assert "0.98x" in accuracy_note(RunConfig(local_steps=32, outer_momentum=0.9))
     assert "0.96x" in accuracy_note(RunConfig(local_steps=32, overlap_exchange=True))
     assert "0.81x" in accuracy_note(RunConfig(local_steps=32, overlap_exchange=True, outer_momentum=0.9))
