@@ -72,7 +72,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first = w.transport.rank == w.layout.worker_ranks[0]
         keeps = first and ctx.make_down_feedback() is not None
         self.memory_servers = [r for r in w.layout.server_ranks if not w.layout.is_worker(r)] if keeps else []
-        self.layers = layers
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)
         if self.server is not None:
             self.server.start()
@@ -193,9 +192,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """What engine.downmemory's exchange with the serving-only ranks needs."""
         return {
             "transport": self.worker.transport,
-            "layers": self.layers,
+            "layers": self.worker.layers,
             "servers": self.memory_servers,
-            "rank": self.worker.transport.rank,
+            "rank": self.worker.rank,
             "step": self.step_index,
             "idle": self.worker._idle(),
         }
