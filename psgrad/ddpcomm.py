@@ -36,7 +36,7 @@ from torch import nn
 
 from .codecs import Message
 from .comm import wire
-from .comm.envelope import Envelope
+from .comm.envelope import Envelope, parse
 from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, upload_bound
 from .config import RunConfig
 from .feedback import feedback_for
@@ -222,7 +222,13 @@ class DDPHook:
                 if sender == mine:
                     msg = msgs[i]  # the wire is lossless: parsing our own bytes would give it back
                 else:
-                    msg = wire.loads(piece, max_bytes=upload_bound(self.feedback, layer), shape=layer.shape)
+                    msg = parse(
+                        piece,
+                        sender=sender,
+                        what=f"gradient of {layer.name!r}",
+                        max_bytes=upload_bound(self.feedback, layer),
+                        shape=layer.shape,
+                    )
                     Envelope("grad", layer.name, step, sender).check(msg, shape=layer.shape)
                 wire.codec_of(msg).decode_add(msg, means[i], alpha=1.0 / world)
 

@@ -523,6 +523,40 @@ def test_parsing_a_gradient_or_a_reply_is_decoding_in_every_topology(topology, m
         assert rows[-1]["server_decode"] >= 2 * 3 * pause  # both workers' gradients, every step
 
 
+@pytest.mark.parametrize(
+    ("topology", "bad", "what"),
+    [
+        ("ps", 0, "reply"),  # the server's reply, as its worker reads it
+        ("ps", 2, "grad message"),  # a worker's gradient, as the server reads it
+        ("colocated", 1, ""),
+        ("alltoall", 1, "gradient"),
+        ("ring", 2, "message"),
+    ],
+)
+def test_a_malformed_message_ends_the_run_naming_the_rank_that_sent_it(topology, bad, what, monkeypatch):
+    """Every engine reads arriving bytes through ``envelope.parse``: rank ``bad``'s gradients and
+    replies, their first byte one msgpack never uses, end the job with a ``WireError`` that names
+    rank ``bad`` (a worker's reply and gossip's neighbour message named no one before), not a
+    decoded tensor of garbage or a hang."""
+    from psgrad.comm import wire
+
+    def spoilt(rank: int, data) -> bytes:
+        if rank == bad and wire.loads(data).kind in ("grad", "params"):
+            return b"\xc1" + bytes(data[1:])  # the same length: the alltoall agreed on sizes first
+        return data
+
+    send, gather = LocalTransport.isend, LocalTransport.iallgatherv_bytes
+    monkeypatch.setattr(LocalTransport, "isend", lambda t, data, *a, **k: send(t, spoilt(t.rank, data), *a, **k))
+    monkeypatch.setattr(
+        LocalTransport, "iallgatherv_bytes", lambda t, data, *a, **k: gather(t, spoilt(t.rank, data), *a, **k)
+    )
+    cfg = RunConfig(
+        model="mlp", steps=2, batch_size=8, progress=False, timeout=30, topology=topology, eval_every_epochs=0
+    )
+    with pytest.raises(wire.WireError, match=rf"malformed .*{what}.* from rank {bad}: "):
+        simulate(cfg, 3 if topology != "ps" else 2)
+
+
 # ---------------------------------------------------------------------- the transport itself
 def _ranks(size: int, body, stall: float = 30.0) -> list:
     """Run ``body(transport)`` on ``size`` local ranks in threads; their results or exceptions."""

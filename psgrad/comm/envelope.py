@@ -1,7 +1,8 @@
 """A message's envelope: what it is (kind), which layer and step it belongs to, who sent it and, for
 a multi-round codec, which round. A message is an envelope around a codec's payload, put together
 once (``Envelope.seal``); an arriving message is held against the envelope its receiver expects in
-one place (``Envelope.check``), whatever the engine.
+one place (``Envelope.check``), whatever the engine. ``parse`` reads an arriving message's bytes and
+names the rank that sent them when they are malformed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..codecs import Message
+from . import wire
 
 
 class EnvelopeError(RuntimeError):
@@ -65,3 +67,20 @@ class Envelope:
             f"from rank {self.sender}, got {msg.kind} of {msg.layer!r} for step {msg.step} (round {got_round})"
             f"{f' shape {tuple(msg.shape)}' if shape is not None else ''} from rank {msg.sender}"
         )
+
+
+def parse(
+    data: bytes | bytearray | memoryview,
+    *,
+    sender: int,
+    what: str,
+    max_bytes: int,
+    shape: tuple[int, ...] | None = None,
+) -> Message:
+    """The message in ``data``, which rank ``sender`` sent as ``what`` (``wire.loads``, bounded by
+    ``max_bytes`` and the layer's ``shape``); malformed bytes raise ``WireError`` naming the sender
+    and what the message was meant to be, so the job that ends on it says whose bytes were bad."""
+    try:
+        return wire.loads(data, max_bytes=max_bytes, shape=shape)
+    except wire.WireError as err:
+        raise wire.WireError(f"malformed {what} from rank {sender}: {err}") from None

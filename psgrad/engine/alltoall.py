@@ -23,7 +23,7 @@ from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
 from ..comm.channel import Handle
-from ..comm.envelope import Envelope
+from ..comm.envelope import Envelope, parse
 from ..comm.protocol import (
     GradientGate,
     Layer,
@@ -150,10 +150,13 @@ class PeerRole(Role):
         code_sum: dict[str, torch.Tensor] = {}
         for peer in range(self.size):
             begin, size = int(entry.offsets[peer]), int(entry.sizes[peer])
-            try:
-                msg = wire.loads(view[begin : begin + size], max_bytes=self.bounds[layer.index], shape=layer.shape)
-            except wire.WireError as err:
-                raise RuntimeError(f"alltoall: malformed message from rank {peer}: {err}") from None
+            msg = parse(
+                view[begin : begin + size],
+                sender=peer,
+                what=f"gradient of {layer.name!r}",
+                max_bytes=self.bounds[layer.index],
+                shape=layer.shape,
+            )
             Envelope("grad", layer.name, self.step_index, peer, entry.round if multi else 0).check(msg)
             if msg.meta.get("skip"):
                 self.skipping.add(layer.index)

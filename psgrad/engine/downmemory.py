@@ -23,7 +23,7 @@ import torch
 from ..codecs import Message
 from ..comm import wire
 from ..comm.channel import Handle
-from ..comm.envelope import Envelope
+from ..comm.envelope import Envelope, parse
 from ..comm.protocol import TAG_CONTROL, TAG_MEMORY, Layer, control_message, tensor_message
 from ..comm.transport import Transport
 from ..feedback import NoFeedback
@@ -149,7 +149,4 @@ def restore(
 
 
 def _parse(handle: Handle) -> Message:
-    try:
-        return wire.loads(handle.payload(), max_bytes=len(handle.buffer))
-    except wire.WireError as err:
-        raise RuntimeError(f"malformed down-link memory message from rank {handle.peer}: {err}") from None
+    return parse(handle.payload(), sender=handle.peer, what="down-link memory message", max_bytes=len(handle.buffer))

@@ -34,7 +34,7 @@ from ..backprop import Backprop
 from ..codecs import make_codec
 from ..comm import wire
 from ..comm.channel import Handle
-from ..comm.envelope import Envelope
+from ..comm.envelope import Envelope, parse
 from ..comm.protocol import (
     GradientGate,
     Layer,
@@ -122,7 +122,13 @@ class GossipRole(Role):
             s.bytes_down += handle.count
             decode_start = time.perf_counter()
             layer = self.layers[index]
-            msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+            msg = parse(
+                handle.payload(),
+                sender=j,
+                what=f"{layer.name!r} message",
+                max_bytes=self.bounds[index],
+                shape=layer.shape,
+            )
             Envelope("grad", layer.name, step, j).check(msg)
             self._codec(layer).decode_add(msg, self.public[(j, index)])
             s.decode += time.perf_counter() - decode_start

@@ -44,7 +44,7 @@ from torch import nn
 from ..codecs import Codec, Message, make_codec
 from ..comm import wire
 from ..comm.channel import Handle
-from ..comm.envelope import Envelope
+from ..comm.envelope import Envelope, parse
 from ..comm.protocol import (
     SERVER_STREAM,
     SHARED_STREAM,
@@ -261,14 +261,11 @@ class ServerBase:
     def _arrived(self, handle: Handle) -> None:
         del self.pending[handle.key]
         kind = handle.key[0]
-        try:
-            shape = (
-                self.layers[handle.key[2]].shape if kind == "grad" else (handle.key[2],) if kind == "values" else None
-            )
-            start = time.perf_counter()
-            msg = wire.loads(handle.payload(), max_bytes=len(handle.buffer), shape=shape)
-        except wire.WireError as err:
-            raise RuntimeError(f"malformed {kind} message from rank {handle.peer}: {err}") from None
+        shape = self.layers[handle.key[2]].shape if kind == "grad" else (handle.key[2],) if kind == "values" else None
+        start = time.perf_counter()
+        msg = parse(
+            handle.payload(), sender=handle.peer, what=f"{kind} message", max_bytes=len(handle.buffer), shape=shape
+        )
         if kind == "grad":  # parsing a gradient is decoding it (alltoall and gossip count it so too)
             self.times["decode"] += time.perf_counter() - start
         if msg.sender != handle.peer:

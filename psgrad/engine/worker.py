@@ -34,7 +34,7 @@ from ..backprop import Backprop
 from ..codecs import Message, make_codec
 from ..comm import wire
 from ..comm.channel import Handle
-from ..comm.envelope import Envelope
+from ..comm.envelope import Envelope, parse
 from ..comm.protocol import (
     TAG_CONTROL,
     GradientGate,
@@ -173,7 +173,13 @@ class Worker(Rounds, LocalSteps):
             return None
         self.stats.bytes_down += handle.count
         start = time.perf_counter()
-        msg = wire.loads(handle.payload(), max_bytes=self.bounds[index], shape=layer.shape)
+        msg = parse(
+            handle.payload(),
+            sender=handle.peer,
+            what=f"reply for {layer.name!r}",
+            max_bytes=self.bounds[index],
+            shape=layer.shape,
+        )
         self.parse_seconds = time.perf_counter() - start
         return msg
 
