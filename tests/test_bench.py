@@ -255,6 +255,26 @@ def test_time_to_target_excludes_evaluation_pauses():
         to_target(rows[3:], evals, 0.75)
 
 
+def test_the_rate_of_a_row_that_evaluates_leaves_the_pauses_out():
+    """A row timed to an accuracy evaluates in the foreground; compute-only does not. Its it/s
+    counted the pauses (WRN-16-4 at 10 Mbit/s: 1.84 it/s against 2.12 between evaluations), so
+    "of ideal" ranked it below what it trains at."""
+    from psgrad.bench.launcher import measure
+
+    # a step a second, and 0.5 s of evaluation after steps 1, 3, 5 and 9 (the last: outside the span)
+    evals = [{"step": s, "test_acc": 0.5, "eval_seconds": 0.5} for s in (1, 3, 5, 9)]
+    wall, rows = 0.0, []
+    for s in range(10):
+        wall += 1.0
+        rows.append({"step": s, "wall": wall, "bytes_up": 0.0, "bytes_down": 0.0})
+        wall += 0.5 if s in (1, 3, 5) else 0.0
+    assert measure(rows, 2, evals)["it_per_s"] == pytest.approx(1.0)  # steps 2..9: 7 s of training
+    assert measure(rows, 2)["it_per_s"] == pytest.approx(7 / 8.0)  # without the evaluations: what was
+    assert measure(rows, 0, [{"step": 1, "paused_seconds": 0.5, "eval_seconds": 9.0}])["it_per_s"] == pytest.approx(
+        9 / 10.0
+    )
+
+
 def test_bench_runs_keep_every_metrics_row(monkeypatch):
     """psgrad bench's time to accuracy reads a run's rows in memory: a run of more steps than a
     run keeps (2,000) gave the seconds of a later step (rows[s] was not step s). Bench runs keep

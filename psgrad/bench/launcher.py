@@ -59,11 +59,16 @@ def launched_by_mpi() -> bool:
     return any(key in os.environ for key in _MPI_ENV)
 
 
-def measure(rows: list[dict], warmup: int) -> dict:
-    """Rate, mean bytes and times, and server CPU share over the steps after ``warmup``."""
+def measure(rows: list[dict], warmup: int, evals: list[dict] = ()) -> dict:
+    """Rate, mean bytes and times, and server CPU share over the steps after ``warmup``; the
+    pauses of ``evals`` (``paused``) inside the measured steps are left out of the rate, as they
+    are of the time to accuracy, so a row that evaluates is compared with compute-only fairly."""
     tail = rows[warmup:] or rows
     wall = [r["wall"] for r in tail]
-    span = wall[-1] - wall[0] if len(wall) > 1 else 0.0
+    # an evaluation after a measured step other than the last held the clock up inside the span
+    first, last = (int(tail[0]["step"]), int(tail[-1]["step"])) if evals else (0, 0)
+    held = sum(paused(e) for e in evals if first <= int(e["step"]) < last)
+    span = wall[-1] - wall[0] - held if len(wall) > 1 else 0.0
     # the wall-clock rate between the first and last measured step, not the sum of per-step
     # times, which would miss the time spent between steps
     out = {"it_per_s": (len(wall) - 1) / span if span > 0 else 1.0 / tail[0]["step_time"]}
@@ -125,18 +130,24 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     out = {"target_steps": NAN, "target_seconds": NAN, "target_mb": NAN}
     out["final_acc"] = float(evals[-1]["test_acc"]) if evals else NAN
     by_step = {int(r["step"]): r for r in rows}
-    paused = 0.0
+    held = 0.0
     for e in evals:
         if e["test_acc"] >= target:
             s = int(e["step"])
             if any(step not in by_step for step in range(s + 1)):
                 raise ValueError(f"time to accuracy needs the metrics rows of steps 0..{s}; some are missing")
             out["target_steps"] = s + 1
-            out["target_seconds"] = by_step[s]["wall"] - paused
+            out["target_seconds"] = by_step[s]["wall"] - held
             out["target_mb"] = sum(by_step[i]["bytes_up"] + by_step[i]["bytes_down"] for i in range(s + 1)) / 1e6
             break
-        paused += float(e.get("paused_seconds", e.get("eval_seconds", 0.0)))
+        held += paused(e)
     return out
+
+
+def paused(evaluation: dict) -> float:
+    """Seconds ``evaluation`` held training up (``paused_seconds``, else ``eval_seconds``: bench
+    runs evaluate in the foreground, so that is all of it)."""
+    return float(evaluation.get("paused_seconds", evaluation.get("eval_seconds", 0.0)))
 
 
 def run_item(
@@ -166,7 +177,7 @@ def run_item(
         )
         if not rows:
             return None
-        return measure(rows, warmup) | (to_target(rows, evals, target) if target and head != "compute" else {})
+        return measure(rows, warmup, evals) | (to_target(rows, evals, target) if target and head != "compute" else {})
     from ..train import run
 
     eval_every_steps = cfg.eval_every_steps if target else 0
@@ -184,7 +195,7 @@ def run_item(
     result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
     if result.rank != 0:
         return None
-    return measure(result.rows, warmup) | (to_target(result.rows, result.evals, target) if target else {})
+    return measure(result.rows, warmup, result.evals) | (to_target(result.rows, result.evals, target) if target else {})
 
 
 def run_in_mpi(

@@ -190,7 +190,7 @@ def _num(value: float, width: int, digits: int) -> str:
 
 
 LEGEND = {
-    "it/s": "training steps per second (median over rounds); ± = half the spread between rounds",
+    "it/s": "training steps per second, evaluation pauses excluded (median over rounds); ± = half the spread between rounds",
     "speedup": "it/s over the `none` row's, paired per round (median of the per-round ratios)",
     "of ideal": "it/s over the ideal rate: the compute-only rate, or the busiest link's bytes at --bandwidth if slower",
     "MB/step": "bytes sent per step by all ranks",
