@@ -3,13 +3,16 @@ measured x compute-only beside the model's prediction (docs/planning.md, "How we
 
 WRN-16-4, batch 16, 2 ranks; the measured figures are those of "Slow links" (compute-only 2.24
 it/s in the 10 Mbit/s run, 2.49 in the 1 Mbit/s run, one round of DDP's row there) and
-"Throughput on a 100 Mbit/s link" (compute-only 4.82 it/s, the mean of its two runs).
+"Throughput on a 100 Mbit/s link" (compute-only 4.82 it/s, the mean of its two runs). Then
+ResNet-20, batch 8, at 2, 4 and 8 workers on 10 Mbit/s links: "One server or colocated"
+(`sudo bash benchmarks/bench-scaling.sh`), its ms a step and compute-only of each worker count.
+Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFICIENCY).
 
 Usage: python benchmarks/plan-validation.py
 """
 
 from psgrad.models import build_model
-from psgrad.plan import Scenario, plan
+from psgrad.plan import FAN_IN_EFFICIENCY, Scenario, plan
 
 SHAPES = [tuple(p.shape) for p in build_model("wrn", 100, depth=16, widen_factor=4).parameters()]
 PSGD8_H32 = dict(codec="powersgd:rank=8", topology="colocated", local_steps=32)
@@ -60,8 +63,54 @@ CELLS = (  # (row, options, bandwidth, compute-only step, measured x compute-onl
     ("dense, 1 server + 2 workers", dict(topology="ps"), 100e6, FAST, 0.39 / 4.82),
 )
 
-for row, options, rate, step, measured in CELLS:
-    predicted = plan(Scenario(shapes=SHAPES, workers=2, bandwidth_bps=rate, compute_s=step, **options)).utilisation
+RESNET20 = [tuple(p.shape) for p in build_model("resnet20", 100).parameters()]
+SIGN = dict(codec="sign", down_codec="sign")
+SCALING = {  # workers: compute-only ms, then ms a step of none 1 server, colocated; sign EF both ways the same
+    2: (42.1, 2503.6, 993.1, 108.1, 94.7),
+    4: (122.5, 4931.9, 1685.1, 212.5, 163.5),
+    8: (282.2, 9721.6, 2624.8, 557.0, 461.5),
+}
+SCALED = [  # (row, options, workers, compute-only step, measured x compute-only)
+    (f"ResNet-20 {name}, {n} workers", options, n, ms[0] / 1e3, ms[0] / ms[i])
+    for n, ms in SCALING.items()
+    for i, (name, options) in enumerate(
+        [
+            ("none, 1 server", dict(topology="ps")),
+            ("none colocated", dict(topology="colocated")),
+            ("sign EF both ways, 1 server", dict(topology="ps", **SIGN)),
+            ("sign EF both ways, colocated", dict(topology="colocated", **SIGN)),
+        ],
+        start=1,
+    )
+]
+
+
+def show(row: str, scenario: Scenario, measured: float) -> None:
+    predicted = plan(scenario).utilisation
     print(
-        f"{row:55s} {rate / 1e6:5.0f} Mbit/s  measured {measured:.3f}  predicted {predicted:.3f}  {predicted / measured - 1:+.0%}"
+        f"{row:55s} {scenario.bandwidth_bps / 1e6:5.0f} Mbit/s  measured {measured:.3f}  predicted {predicted:.3f}  "
+        f"{predicted / measured - 1:+.0%}"
+    )
+
+
+for row, options, rate, step, measured in CELLS:
+    show(
+        row,
+        Scenario(
+            shapes=SHAPES, workers=2, bandwidth_bps=rate, compute_s=step, fan_in_efficiency=FAN_IN_EFFICIENCY, **options
+        ),
+        measured,
+    )
+for row, options, workers, step, measured in SCALED:
+    show(
+        row,
+        Scenario(
+            shapes=RESNET20,
+            workers=workers,
+            bandwidth_bps=10e6,
+            compute_s=step,
+            fan_in_efficiency=FAN_IN_EFFICIENCY,
+            **options,
+        ),
+        measured,
     )

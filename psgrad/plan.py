@@ -17,7 +17,10 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
    - ``ddp``: torch's ring all-reduce of the fp32 gradient, 2(N-1)/N x 4 bytes an element;
    - ``ddp-powersgd``: the same all-reduce of PowerSGD's P and Q factors (and the dense vectors).
 3. Link time: the busiest direction's bits over ``bandwidth x efficiency`` (1: the shaped runs
-   here moved a step's bytes at the full rate).
+   here moved a step's bytes at the full rate), and x ``fan_in_efficiency`` where several ranks
+   send into that link at once (``Exchange.senders`` > 1: a ps server's, a colocated or
+   alltoall rank's at N > 2, a ring rank's two neighbours): incast, whose losses idle the link.
+   1 (none) by default; ``FAN_IN_EFFICIENCY`` is what this machine's shaped links reached.
 4. Latency: message rounds x RTT a step: 1 for a one-round codec through servers, 2 for
    PowerSGD's two rounds; a ring all-reduce's 2(N-1) hops cost (N-1) RTT, twice for PowerSGD's
    two all-reduces; gossip one one-way trip.
@@ -59,6 +62,12 @@ DEFAULT_CODE_GBPS = 2.0
 EFFICIENCY = 1.0
 """Fraction of a link's rate that a step's traffic reaches."""
 
+FAN_IN_EFFICIENCY = 0.74
+"""Fraction of its rate a link reached on this machine's shaped links (``tc tbf``, a 50 ms queue)
+when several ranks sent into it at once: the 1-server dense runs at 2, 4 and 8 workers
+(docs/planning.md, "How well it predicts"), where only the server's port dropped packets. Not the
+default: a fabric with deeper buffers or ECN loses less to incast."""
+
 OVERLAP = {"ddp": 0.5, "ddp-powersgd": 0.0}
 """Fraction of the compute-only step that a per-step exchange runs beside: psgrad's
 (``PSGRAD_OVERLAP``) fitted on the shaped runs here (docs/planning.md, "How well it predicts"); DDP with
@@ -95,6 +104,7 @@ class Scenario:
     overlap_exchange: bool = False
     code_gbps: float | None = None
     efficiency: float = EFFICIENCY
+    fan_in_efficiency: float = 1.0  # FAN_IN_EFFICIENCY: this machine's shaped links
     overlap: float | None = None  # None: ``overlap_of(topology)``
     overhead: float | None = None  # None: ``PSGRAD_OVERHEAD`` for psgrad's topologies, 0 for DDP
 
@@ -164,6 +174,7 @@ class Exchange:
     """How a topology exchanges a step (module docstring, 2 and 4)."""
 
     busiest: Callable[[int, int, float, float], float]  # (workers, servers, up, down) -> bytes
+    senders: Callable[[int], int]  # workers -> ranks sending into the busiest link at once
     round_trips: Callable[[int, int], float]  # (workers, the codec's rounds) -> RTTs a step
     reply_coded: bool  # whether the reply is the codec's own (no down-link of its own)
     all_reduce: bool = False  # torch DDP: its own ring, no psgrad bookkeeping
@@ -174,13 +185,23 @@ def _ring_all_reduce(n: int, coded: float) -> float:
 
 
 EXCHANGES = {
-    "ps": Exchange(lambda n, servers, up, down: n * max(up, down) / servers, lambda n, rounds: rounds, False),
-    "colocated": Exchange(lambda n, servers, up, down: (n - 1) / n * (up + down), lambda n, rounds: rounds, False),
-    "alltoall": Exchange(lambda n, servers, up, down: (n - 1) * up, lambda n, rounds: rounds, True),
-    "ring": Exchange(lambda n, servers, up, down: 2 * up, lambda n, rounds: 0.5, True),
-    "ddp": Exchange(lambda n, servers, up, down: _ring_all_reduce(n, up), lambda n, rounds: n - 1, True, True),
+    "ps": Exchange(
+        lambda n, servers, up, down: n * max(up, down) / servers, lambda n: n, lambda n, rounds: rounds, False
+    ),
+    "colocated": Exchange(
+        lambda n, servers, up, down: (n - 1) / n * (up + down), lambda n: n - 1, lambda n, rounds: rounds, False
+    ),
+    "alltoall": Exchange(lambda n, servers, up, down: (n - 1) * up, lambda n: n - 1, lambda n, rounds: rounds, True),
+    "ring": Exchange(lambda n, servers, up, down: 2 * up, lambda n: min(2, n - 1), lambda n, rounds: 0.5, True),
+    "ddp": Exchange(
+        lambda n, servers, up, down: _ring_all_reduce(n, up), lambda n: 1, lambda n, rounds: n - 1, True, True
+    ),
     "ddp-powersgd": Exchange(
-        lambda n, servers, up, down: _ring_all_reduce(n, up), lambda n, rounds: rounds * (n - 1), True, True
+        lambda n, servers, up, down: _ring_all_reduce(n, up),
+        lambda n: 1,
+        lambda n, rounds: rounds * (n - 1),
+        True,
+        True,
     ),
 }
 """Each topology ``plan`` knows: psgrad's, and torch DDP's for comparison."""
@@ -235,8 +256,11 @@ def plan(s: Scenario) -> Plan:
     """The predicted step of scenario ``s`` (module docstring, 6-8)."""
     if s.workers < 1 or s.local_steps < 1 or s.bandwidth_bps <= 0 or s.compute_s <= 0:
         raise ValueError("workers, local steps, bandwidth and compute time must be positive")
+    if not 0 < s.fan_in_efficiency <= 1:
+        raise ValueError(f"fan_in_efficiency must be in (0, 1], got {s.fan_in_efficiency}")
     moved = link_bytes(s)
-    link = moved * 8 / (s.bandwidth_bps * s.efficiency)
+    incast = s.fan_in_efficiency if exchange_of(s.topology).senders(s.workers) > 1 else 1.0
+    link = moved * 8 / (s.bandwidth_bps * s.efficiency * incast)
     latency, coding, h = latency_s(s), coding_s(s), s.local_steps
     if h == 1:
         overlap = overlap_of(s.topology) if s.overlap is None else s.overlap

@@ -51,6 +51,23 @@ def test_the_busiest_link_of_each_topology():
     assert link_bytes(powersgd) == pytest.approx(2 * 7 / 8 * coded_bytes("powersgd:rank=2", SHAPES))
 
 
+@pytest.mark.parametrize(
+    ("topology", "workers", "fan_in"),
+    [("ps", 2, True), ("ps", 1, False), ("colocated", 2, False), ("colocated", 3, True), ("alltoall", 4, True)]
+    + [("ring", 2, False), ("ring", 8, True), ("ddp", 8, False), ("ddp-powersgd", 8, False)],
+)
+def test_a_link_that_several_ranks_send_into_at_once_runs_at_the_fan_in_efficiency(topology, workers, fan_in):
+    """Incast: a ps server's link, a colocated or alltoall rank's past two ranks, a ring rank's two
+    neighbours take the fan-in efficiency; a link with one sender (a ring all-reduce's) does not."""
+    codec = "powersgd:rank=2" if topology == "ddp-powersgd" else "none"
+    s = dict(shapes=SHAPES, codec=codec, topology=topology, workers=workers, local_steps=2)  # link: link time / 2
+    full, lossy = plan(Scenario(**s)), plan(Scenario(**s, fan_in_efficiency=0.5))
+    assert full.parts["link"] > 0
+    assert lossy.parts["link"] == pytest.approx(full.parts["link"] * (2 if fan_in else 1))
+    with pytest.raises(ValueError, match="fan_in_efficiency"):
+        plan(Scenario(**s, fan_in_efficiency=0))
+
+
 @pytest.mark.parametrize("codec", ["powersgd:rank=2", "qsgd:levels=16"])
 def test_the_predicted_bytes_are_what_a_colocated_run_sends(tmp_path, codec):
     """Two colocated workers send each other half their messages and the replies of their

@@ -111,6 +111,14 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     default=None,
     help="The codecs' round-trip rate, GB/s of fp32 gradient [default: what psgrad codecs measured on the development VM].",
 )
+@click.option(
+    "--fan-in-efficiency",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Fraction of its rate a link reaches when several ranks send into it at once (incast: a ps server's, "
+    "a colocated rank's past 2 workers); 1 loses nothing, 0.74 is what psgrad bench --bandwidth's shaped links reached.",
+)
 def plan(
     model: str,
     depth: int,
@@ -130,6 +138,7 @@ def plan(
     local_steps: int,
     overlap_exchange: bool,
     code_gbps: float | None,
+    fan_in_efficiency: float,
 ) -> None:
     """Predict a step's time on links you do not have: a cost model of the bytes on the busiest
     link, round trips, coding and overlap, validated on this machine's shaped runs (docs/planning.md, "How well it predicts")."""
@@ -165,6 +174,7 @@ def plan(
     click.echo(
         f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
         f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}{' overlapped' if overlap_exchange else ''}"
+        + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
     )
     click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
     for n in workers:
@@ -174,6 +184,7 @@ def plan(
                     shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
                     servers=servers, bandwidth_bps=rate, rtt_s=rtt / 1e3, compute_s=step_ms / 1e3,
                     local_steps=local_steps, overlap_exchange=overlap_exchange, code_gbps=code_gbps,
+                    fan_in_efficiency=fan_in_efficiency,
                 )
             )  # fmt: skip
             click.echo(
