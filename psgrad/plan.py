@@ -258,8 +258,9 @@ def plan(s: Scenario) -> Plan:
         raise ValueError("workers, local steps, bandwidth and compute time must be positive")
     if not 0 < s.fan_in_efficiency <= 1:
         raise ValueError(f"fan_in_efficiency must be in (0, 1], got {s.fan_in_efficiency}")
+    exchange = exchange_of(s.topology)
     moved = link_bytes(s)
-    incast = s.fan_in_efficiency if exchange_of(s.topology).senders(s.workers) > 1 else 1.0
+    incast = s.fan_in_efficiency if exchange.senders(s.workers) > 1 else 1.0
     link = moved * 8 / (s.bandwidth_bps * s.efficiency * incast)
     latency, coding, h = latency_s(s), coding_s(s), s.local_steps
     if h == 1:
@@ -272,7 +273,7 @@ def plan(s: Scenario) -> Plan:
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": latency * share}
     else:
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": latency / h}
-    own = 0.0 if exchange_of(s.topology).all_reduce else PSGRAD_OVERHEAD
+    own = 0.0 if exchange.all_reduce else PSGRAD_OVERHEAD
     overhead = s.overhead if s.overhead is not None else own
     parts["overhead"] = overhead * s.compute_s
     step = sum(parts.values())

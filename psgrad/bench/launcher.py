@@ -122,8 +122,7 @@ def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     1. The first evaluation with test accuracy >= ``target`` names the step s it followed
        (0-based, as every ``step`` column): s + 1 steps to target.
     2. Seconds to target = the wall clock at the end of step s minus the seconds evaluation held
-       training up before it (``paused_seconds``, else ``eval_seconds``: a row that evaluates more
-       often must not pay for it; bench runs evaluate in the foreground, so that is all of it).
+       training up before it (``paused``: a row that evaluates more often must not pay for it).
     3. Bytes to target = every byte sent in steps 0..s. Final accuracy = the last evaluation's.
     A run that never reaches the target has NaN for the first three.
     """
