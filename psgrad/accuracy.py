@@ -212,6 +212,8 @@ def local_key(cfg: RunConfig) -> str:
     if not cfg.local_steps:
         return ""
     overlap = ", overlapped" if cfg.overlap_exchange else ""
+    if cfg.overlap_exchange and cfg.overlap_steps not in (0, cfg.local_steps):
+        overlap += f" by {cfg.overlap_steps} steps"
     return (
         f"H={cfg.local_steps}, inner {cfg.inner_optimizer}, outer {cfg.outer_optimizer} "
         f"lr {cfg.outer_lr:g} momentum {cfg.outer_momentum:g}{overlap}"

@@ -33,8 +33,8 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
    PowerSGD hook, its gradients in one bucket, none; plain DDP, an assumption, half); what is left shows:
    ``compute + coding + max(0, link - overlap x compute) + latency``. With H local steps the
    exchange comes every H-th step and waits: ``compute + (coding + link + latency) / H``; with
-   ``overlap_exchange`` it runs beside the next H - 1 steps: ``compute + (coding + max(0, link +
-   latency - (H-1) x compute)) / H``.
+   ``overlap_exchange`` it runs beside the steps until its reply is taken, tau (``overlap_steps``,
+   H by default), less one: ``compute + (coding + max(0, link + latency - (tau-1) x compute)) / H``.
 7. psgrad adds its own bookkeeping, ``PSGRAD_OVERHEAD`` x compute a step (``overhead``).
 8. Utilisation is compute / step; the bottleneck is the largest cost beside compute (link,
    latency, coding or psgrad's overhead), or compute itself when none reaches a tenth of it.
@@ -102,6 +102,7 @@ class Scenario:
     compute_s: float = 0.1
     local_steps: int = 1
     overlap_exchange: bool = False
+    overlap_steps: int = 0  # the steps an overlapped exchange's reply is taken after; 0: local_steps
     code_gbps: float | None = None
     efficiency: float = EFFICIENCY
     fan_in_efficiency: float = 1.0  # FAN_IN_EFFICIENCY: this machine's shaped links
@@ -256,6 +257,8 @@ def plan(s: Scenario) -> Plan:
     """The predicted step of scenario ``s`` (module docstring, 6-8)."""
     if s.workers < 1 or s.local_steps < 1 or s.bandwidth_bps <= 0 or s.compute_s <= 0:
         raise ValueError("workers, local steps, bandwidth and compute time must be positive")
+    if not 0 <= s.overlap_steps <= s.local_steps:
+        raise ValueError(f"overlap_steps must be in [0, local_steps], got {s.overlap_steps}")
     if not 0 < s.fan_in_efficiency <= 1:
         raise ValueError(f"fan_in_efficiency must be in (0, 1], got {s.fan_in_efficiency}")
     exchange = exchange_of(s.topology)
@@ -268,7 +271,8 @@ def plan(s: Scenario) -> Plan:
         exposed_link = max(0.0, link - overlap * s.compute_s)
         parts = {"compute": s.compute_s, "coding": coding, "link": exposed_link, "latency": latency}
     elif s.overlap_exchange:
-        waited = max(0.0, link + latency - (h - 1) * s.compute_s) / h
+        hidden_behind = (s.overlap_steps or h) - 1
+        waited = max(0.0, link + latency - hidden_behind * s.compute_s) / h
         share = waited / (link + latency) if link + latency > 0 else 0.0
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": latency * share}
     else:

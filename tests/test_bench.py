@@ -492,3 +492,25 @@ def test_a_row_through_your_own_loop_is_a_row_option_of_its_own():
         item_api("ddp --api optimizer")
     with pytest.raises(BenchError, match="jobs of their own"):  # psgrad.init joins a job once per process
         run_in_mpi(RunConfig(), [row], steps=1, warmup=0, repeat=1)
+
+
+@pytest.mark.parametrize(
+    "args, timeout",
+    [
+        ([], 900.0),
+        (["--target-accuracy", "0.5"], 4 * 3600.0),
+        (["--target-accuracy", "0.5", "--job-timeout", "60"], 60.0),
+    ],
+)
+def test_a_run_to_an_accuracy_gets_hours_not_the_throughput_rows_minutes(monkeypatch, args, timeout):
+    """A WRN-16-4 run to 0.84 takes about 25 min: under the 15 min meant for throughput rows it
+    was ended two thirds of the way, with nothing to show."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import compare, main
+
+    seen = {}
+    monkeypatch.setattr(compare, "_bench_by_launcher", lambda *a, launch, **kw: seen.update(launch))
+    done = CliRunner().invoke(main, ["bench", "--model", "mlp", "--steps", "4", "--codecs", "none", *args])
+    assert done.exit_code == 0, done.output
+    assert seen["timeout"] == timeout

@@ -80,10 +80,30 @@ def test_an_overlapped_exchange_moves_by_the_servers_result_minus_the_workers_ow
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) > 1e-4  # two workers: late is not the same
 
 
+def test_overlap_steps_take_the_reply_that_many_steps_after_the_exchange(tmp_path):
+    """H = 4 over 12 steps, exchanges after steps 3, 7 and 11: the reply of each overlapped one
+    arrives (bytes down) in the step tau after it, 4 and 8 at tau = 1, 7 and 11 at tau = H (the
+    default: the next exchange), and only the initial pull in step 0 besides. tau = H is the
+    default run to the bit; tau = 1 trains differently, the workers starting from the servers'
+    result three steps sooner."""
+    base = [*BASE, "--local-steps", "4", "--overlap-exchange"]
+    runs = {"default": base, "by-4": [*base, "--overlap-steps", "4"], "by-1": [*base, "--overlap-steps", "1"]}
+    out = train_runs(tmp_path, runs, n=3, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, replies in (("default", [0, 7, 11]), ("by-4", [0, 7, 11]), ("by-1", [0, 4, 8])):
+        rows = metrics_rows(tmp_path / name)
+        assert [int(row["step"]) for row in rows if int(row["bytes_down"]) > 0] == replies, name
+        assert [int(row["step"]) for row in rows if row["outer"] == "1"] == [3, 7, 11], name
+    models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in runs}
+    assert all(torch.equal(models["default"][k], models["by-4"][k]) for k in models["default"])
+    assert max(float((models["by-1"][k] - models["default"][k]).abs().max()) for k in models["default"]) > 1e-4
+
+
 def test_with_one_worker_an_overlapped_exchange_changes_nothing_under_outer_momentum(tmp_path):
     """One worker, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): the worker's replica of the
     outer optimizer, fed its own delta, lands where the servers do, so the overlapped run equals
-    the one that waits, to rounding. Also with PowerSGD at an exact rank, whose reply is an
+    the one that waits, to rounding, whether the reply is taken at the next exchange or two
+    steps after its own. Also with PowerSGD at an exact rank, whose reply is an
     update: applied to the worker's end point instead of theta_sync, it would count the worker's
     own steps twice; without the replica, the steps would start an outer momentum step behind."""
     base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4", "--outer-momentum", "0.9"]
@@ -93,11 +113,17 @@ def test_with_one_worker_an_overlapped_exchange_changes_nothing_under_outer_mome
         "overlaps": [*base, "--overlap-exchange"],
         "powersgd-waits": [*base, *exact],
         "powersgd-overlaps": [*base, *exact, "--overlap-exchange"],
+        "overlaps-by-2": [*base, "--overlap-exchange", "--overlap-steps", "2"],
     }
     out = train_runs(tmp_path, runs, n=2, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in runs}
-    for ours, theirs, tolerance in (("overlaps", "waits", 1e-5), ("powersgd-overlaps", "powersgd-waits", 1e-4)):
+    pairs = (
+        ("overlaps", "waits", 1e-5),
+        ("overlaps-by-2", "waits", 1e-5),
+        ("powersgd-overlaps", "powersgd-waits", 1e-4),
+    )
+    for ours, theirs, tolerance in pairs:
         gap = max(float((models[ours][k] - models[theirs][k]).abs().max()) for k in models[ours])
         assert gap < tolerance, (ours, gap)
     moved = max(float((models["waits"][k] - models["powersgd-waits"][k]).abs().max()) for k in models["waits"])
@@ -123,6 +149,7 @@ def test_exchanges_are_counted_on_the_wire_not_batches():
         ({"checkpoint_every_steps": 6}, "must be a multiple of --local-steps 4"),
         ({"outer_momentum": 0.0}, "needs --outer-momentum > 0"),
         ({"optimizer": "adam"}, "--optimizer has no part"),
+        ({"overlap_exchange": True, "overlap_steps": 5}, "at most --local-steps 4 steps later"),
     ],
 )
 def test_settings_that_cannot_take_local_steps_say_why(settings, message):

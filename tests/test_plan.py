@@ -100,6 +100,13 @@ def test_local_steps_divide_an_exchange_and_overlapping_hides_it():
     assert every.parts["link"] == pytest.approx(link - 0.85 * 0.1)  # psgrad hides 0.85 of a step
     long = plan(Scenario(**{**base, "bandwidth_bps": 1e9}, local_steps=8, overlap_exchange=True))
     assert long.parts["link"] == 0 and long.utilisation == pytest.approx(1 / (1 + long.parts["coding"] / 0.1))
+    # taken tau = 3 steps after the exchange, the reply hides behind 2 steps of compute, not 7
+    overlapped = dict(local_steps=8, overlap_exchange=True)
+    by3 = plan(Scenario(**base, **overlapped, overlap_steps=3))
+    assert by3.parts["link"] == pytest.approx((link - 2 * 0.1) / 8)
+    assert plan(Scenario(**base, **overlapped, overlap_steps=8)).step_s == plan(Scenario(**base, **overlapped)).step_s
+    with pytest.raises(ValueError, match="overlap_steps"):
+        plan(Scenario(**base, **overlapped, overlap_steps=9))
 
 
 def test_a_ring_all_reduce_waits_for_a_round_trip_per_rank():

@@ -407,6 +407,7 @@ UNUSED = [  # (options, what is said): each option was silently ignored by such 
         "--lr-milestones shapes --schedule multistep: it means nothing to --schedule constant",
     ),
     (["--data-dir", "elsewhere"], "--data-dir holds the CIFAR archives: --dataset synthetic does not read it"),
+    (["--local-steps", "4", "--overlap-steps", "2"], "--overlap-steps shapes --overlap-exchange"),
 ]
 
 

@@ -263,7 +263,9 @@ def _run_job(cmd: list[str], env: dict[str, str], timeout: float) -> None:
         else:
             out = b""
         if isinstance(err, subprocess.TimeoutExpired):
-            raise BenchError(f"timed out after {timeout:.0f} s: {shlex.join(cmd)}\n{_tail(out)}") from None
+            raise BenchError(
+                f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs): {shlex.join(cmd)}\n{_tail(out)}"
+            ) from None
         raise
     if proc.returncode != 0:
         raise BenchError(f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}")

@@ -9,6 +9,13 @@ from ..options import SectionedCommand, config_from, run_options, set_off_defaul
 from .checks import abort_job, output_option, require_data
 from .group import main
 
+JOB_TIMEOUT = 900.0
+"""Seconds a bench job may run by default: a throughput row takes a few minutes."""
+
+TARGET_JOB_TIMEOUT = 4 * 3600.0
+"""... with --target-accuracy, where one row trains a model to an accuracy (WRN-16-4's 3,072 steps
+took 25 min on 10 Mbit/s links here)."""
+
 BENCH_IGNORES = {
     "--log-dir": "log_dir",
     "--tensorboard": "tensorboard",
@@ -96,8 +103,10 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "--job-timeout",
     "job_timeout",
     type=click.FloatRange(min=1),
-    default=900.0,
-    help="Seconds one job may run before the launcher ends it and fails (--timeout is each run's watchdog).",
+    default=None,
+    help="Seconds one job may run before the launcher ends it and fails (--timeout is each run's watchdog, "
+    "which ends a hung rank sooner) [default: 900, or 4 hours with --target-accuracy: a run to an accuracy "
+    "takes as long as it takes].",
 )
 @click.option(
     "--powersgd-rank", type=click.IntRange(min=1), default=2, help="Rank of the ddp-powersgd baseline's factors."
@@ -129,7 +138,7 @@ def bench(
     bandwidth: str | None,
     mpiexec_path: str | None,
     mpiexec_args: str,
-    job_timeout: float,
+    job_timeout: float | None,
     powersgd_rank: int,
     json_path: str | None,
     plot_path: str | None,
@@ -167,7 +176,7 @@ def bench(
         launch={
             "mpiexec_path": mpiexec_path,
             "mpiexec_args": mpiexec_args,
-            "timeout": job_timeout,
+            "timeout": job_timeout or (TARGET_JOB_TIMEOUT if target_accuracy else JOB_TIMEOUT),
             "bandwidth": bandwidth,
             "powersgd_rank": powersgd_rank,
         },

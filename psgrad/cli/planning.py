@@ -106,6 +106,13 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
 @click.option("--local-steps", type=int, default=1, show_default=True, help="Exchange every H-th step (--local-steps).")
 @click.option("--overlap-exchange", is_flag=True, help="With --local-steps: the exchange runs beside the next steps.")
 @click.option(
+    "--overlap-steps",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --overlap-exchange: the steps the exchange has to arrive in (psgrad train --overlap-steps); 0: H.",
+)
+@click.option(
     "--code-gbps",
     type=float,
     default=None,
@@ -137,6 +144,7 @@ def plan(
     batch_size: int,
     local_steps: int,
     overlap_exchange: bool,
+    overlap_steps: int,
     code_gbps: float | None,
     fan_in_efficiency: float,
 ) -> None:
@@ -153,6 +161,10 @@ def plan(
         raise click.UsageError(str(err)) from None
     if local_steps < 1 or servers < 1:
         raise click.UsageError("--local-steps and --servers must be positive")
+    if overlap_steps and not overlap_exchange:
+        raise click.UsageError("--overlap-steps shapes --overlap-exchange: give --overlap-exchange")
+    if overlap_steps > local_steps:
+        raise click.UsageError(f"--overlap-steps {overlap_steps}: at most --local-steps {local_steps}")
     if step_ms is None and matrices is not None:
         raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
     rtt = rtt_ms
@@ -173,7 +185,8 @@ def plan(
     params = sum(math.prod(shape) for shape in shapes)
     click.echo(
         f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
-        f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}{' overlapped' if overlap_exchange else ''}"
+        f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}"
+        + (f" overlapped by {overlap_steps or local_steps}" if overlap_exchange else "")
         + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
     )
     click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
@@ -183,7 +196,8 @@ def plan(
                 Scenario(
                     shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
                     servers=servers, bandwidth_bps=rate, rtt_s=rtt / 1e3, compute_s=step_ms / 1e3,
-                    local_steps=local_steps, overlap_exchange=overlap_exchange, code_gbps=code_gbps,
+                    local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
+                    code_gbps=code_gbps,
                     fan_in_efficiency=fan_in_efficiency,
                 )
             )  # fmt: skip

@@ -102,6 +102,11 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         )
         _need(self.amp != "fp16", "--local-steps with --amp fp16 would need a loss scale per worker: use --amp bf16")
         _need(
+            self.overlap_steps <= h,
+            f"--overlap-steps {self.overlap_steps}: the reply must be taken by the next exchange, "
+            f"at most --local-steps {h} steps later",
+        )
+        _need(
             self.checkpoint_every_steps % h == 0,
             f"--checkpoint-every-steps {self.checkpoint_every_steps} must be a multiple of --local-steps {h}: "
             "a checkpoint is taken right after an exchange",

@@ -176,6 +176,18 @@ class TrainingSettings:
         unused=(_local_steps_only("--overlap-exchange"),),
         help="With --local-steps: an exchange does not wait. Each worker takes the outer step itself with its own change (a replica of the servers' optimizer) and trains on from there while the change travels; at the next exchange it moves by the servers' result minus its own (eager DiLoCo). The exchange before a checkpoint and the last one wait.",
     )
+    overlap_steps: int = setting(
+        0,
+        section=TRAINING,
+        low=0,
+        unused=(
+            unless(
+                lambda cfg: cfg.overlap_exchange,
+                "--overlap-steps shapes --overlap-exchange: give --overlap-exchange",
+            ),
+        ),
+        help="With --overlap-exchange: take the servers' result this many steps after the exchange (waiting there if it has not arrived) instead of at the next exchange. Fewer steps start the workers from a less stale point; a slow link needs enough steps of compute to hide the exchange. 0: at the next exchange, H steps later.",
+    )
     amp: str = setting(
         "off",
         section=TRAINING,

@@ -16,9 +16,12 @@ With ``--overlap-exchange`` step 3 does not wait (eager, as overlapped DiLoCo do
 4. The worker applies the outer optimizer itself, to theta_sync with its own delta in place of the
    average it does not have yet (a replica of the servers' optimizer, fed this worker's deltas),
    and trains on from that provisional point P.
-5. The reply is taken at the next exchange: theta = reply + (theta - P). The steps taken since move
-   on from the servers' result, and a reply that is an update (a delta, PowerSGD's code) applies
-   to theta_sync, the base the servers applied it to.
+5. The reply is taken tau steps later (``--overlap-steps``; at the next exchange, tau = H, by
+   default), at the end of that step, waiting for it if it has not arrived: theta = reply +
+   (theta - P). The steps taken since move on from the servers' result, and a reply that is an
+   update (a delta, PowerSGD's code) applies to theta_sync, the base the servers applied it to.
+   A smaller tau starts the steps after it from a less stale point (Streaming DiLoCo overlaps a
+   few steps, not H); the exchange then has tau steps of compute to hide behind.
 With one worker, the replica's P is the servers' result, and overlapping changes nothing; taking
 the worker's own end point as P instead (no replica) left the next steps an outer momentum step
 behind the servers.
@@ -72,6 +75,7 @@ class LocalSteps:
         self.started: dict[str, torch.Tensor] = {}  # overlapped: the provisional point P (step 4)
         # overlapped: the servers' outer optimizer, fed this worker's deltas at every exchange
         self.replica = LayerOptimizer.from_config(self.cfg) if self.cfg.overlap_exchange else None
+        self.reply_due = -1  # overlapped: the step at whose end the reply is taken (step 5)
 
     def local_train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """Steps 1-3 of the module for one batch."""
@@ -96,9 +100,14 @@ class LocalSteps:
         self.backprop.end_step(False)
         clock.mark("backward_done")
         s = self.stats
+        if self.deferred and step == self.reply_due:
+            self.doing = f"step {step}: taking the reply of exchange {exchange_of(self.cfg, step) - 1}"
+            self._take_overlapped_reply()
         if exchanges_after(self.cfg, step, self.ctx.total):
             self.doing = f"step {step}: exchange {exchange}"
             self._exchange(exchange, overlapped=self._overlaps(step))
+            if self.deferred:
+                self.reply_due = step + (self.cfg.overlap_steps or self.cfg.local_steps)
             s.outer = 1
         clock.mark("exchanged")
         clock.mark("end")
@@ -118,10 +127,11 @@ class LocalSteps:
 
         Without overlap, each layer goes back to theta_sync, and the next step's forward takes the
         reply (the new theta_sync). Overlapped: each layer moves to the replica's provisional
-        point P, where the worker trains on; the reply, taken at the next exchange, moves it by the
-        servers' result minus P (``_take_overlapped_reply``). The replica steps at every exchange,
-        so its momentum follows the servers' through the exchanges that wait."""
-        if self.deferred:
+        point P, where the worker trains on; the reply, taken tau steps later or at the next
+        exchange, moves it by the servers' result minus P (``_take_overlapped_reply``). The
+        replica steps at every exchange, so its momentum follows the servers' through the
+        exchanges that wait."""
+        if self.deferred:  # the run's last exchange came before tau steps were up
             self._take_overlapped_reply()
         self.post_pulls(exchange + 1)
         for layer in self.layers:

@@ -104,7 +104,7 @@ class Worker(Rounds, LocalSteps):
         self.sent: set[int] = set()
         self.step = 0
         self.gate = GradientGate(self.layers)
-        self.deferred = False  # --overlap-exchange: the pulls posted wait for the next exchange
+        self.deferred = False  # --overlap-exchange: the pulls posted wait until the reply is taken
         self.stats = StepStats()
         self.doing = "starting"
         self._hooks = []
@@ -186,7 +186,7 @@ class Worker(Rounds, LocalSteps):
     def _pull_before(self, indices: list[int]):
         def hook(module, inputs):
             self.serve()
-            if self.deferred:  # an overlapped exchange: its reply is taken at the next exchange
+            if self.deferred:  # an overlapped exchange: its reply is taken later (engine.local)
                 self.progress_exchange()
                 return
             if self.pull_step != self.step:  # later micro-batches: the pulls posted are the next step's
