@@ -6,6 +6,8 @@
 # DATASET=digits runs the same on the second dataset (real handwritten digits: pip install
 # 'psgrad[digits]'). TOPOLOGY=colocated trains the same models on 2 ranks instead of 1 server + 2
 # workers (every topology with servers trains them step for step alike), in less time.
+# CONFIGS="A;B" measures those configurations instead (each a --codec value and more options), dense
+# always first: e.g. the local-step rows of "Slow links" with TOPOLOGY=colocated.
 # Prints one line per configuration: the accuracies by seed, their median and spread (max - min),
 # and its median ratio to dense of the same seed.
 set -euo pipefail
@@ -30,6 +32,9 @@ configs=(
   "sign:bucket=32 --feedback ef --down-codec qsgd:levels=16"
   "topk:ratio=0.01 --feedback ef"
 )
+if [ -n "${CONFIGS:-}" ]; then
+  IFS=';' read -r -a configs <<<"none;$CONFIGS"
+fi
 mkdir -p "$out"
 for i in "${!configs[@]}"; do
   for seed in $seeds; do
