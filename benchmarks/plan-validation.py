@@ -6,6 +6,8 @@ it/s in the 10 Mbit/s run, 2.49 in the 1 Mbit/s run, one round of DDP's row ther
 "Throughput on a 100 Mbit/s link" (compute-only 4.82 it/s, the mean of its two runs). Then
 ResNet-20, batch 8, at 2, 4 and 8 workers on 10 Mbit/s links: "One server or colocated"
 (`sudo bash benchmarks/bench-scaling.sh`), its ms a step and compute-only of each worker count.
+The row overlapped by 4 of 8 local steps is from its own paired run (compute-only 2.42 it/s, the
+median of two rounds: `psgrad bench ... --steps 128 --warmup-steps 32 --repeat 2 --bandwidth 10mbit`).
 Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFICIENCY).
 
 Usage: python benchmarks/plan-validation.py
@@ -41,6 +43,13 @@ CELLS = (  # (row, options, bandwidth, compute-only step, measured x compute-onl
     ("same", Q16_BOTH_H32, 1e6, ONE, 0.57),
     ("qsgd:levels=16 up, qsgd:levels=64 down, 32 local steps", Q16_Q64_H32, 10e6, TEN, 0.86),
     ("same", Q16_Q64_H32, 1e6, ONE, 0.51),
+    (
+        "qsgd:levels=16 up, qsgd:levels=64 down, 8 local steps, overlapped by 4",
+        {**Q16_Q64_H32, "local_steps": 8, "overlap_exchange": True, "overlap_steps": 4},
+        10e6,
+        1 / 2.42,
+        0.89,
+    ),
     ("qsgd:levels=16 up, dense down, 32 local steps", Q16_H32, 10e6, TEN, 0.68),
     ("none colocated, 32 local steps", dict(topology="colocated", local_steps=32), 10e6, TEN, 0.59),
     ("powersgd:rank=2 colocated", P2, 10e6, TEN, 0.82),

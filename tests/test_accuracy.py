@@ -83,7 +83,9 @@ def test_every_entry_names_a_real_codec_and_a_docs_section():
         assert {parse_spec(entry.codec)[0], parse_spec(entry.down)[0]} <= codecs | {"none"}, entry
         make_codec(entry.codec), make_codec(entry.down)  # parameters the codecs accept
         assert entry.feedback in ("none", "ef", "dgc")
-        assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.0 + 1e-9
+        assert entry.where.startswith("docs/") and 0 < entry.of_dense <= 1.1, (
+            entry
+        )  # a median ratio: noise can lift it past 1
         assert entry.topology in ("", *TOPOLOGIES), entry
         assert entry.held_out is None or 0 < entry.held_out <= 1.1, entry
         assert entry.digits is None or 0 < entry.digits <= 1.1, entry
