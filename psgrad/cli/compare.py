@@ -14,7 +14,7 @@ JOB_TIMEOUT = 900.0
 
 TARGET_JOB_TIMEOUT = 4 * 3600.0
 """... with --target-accuracy, where one row trains a model to an accuracy (WRN-16-4's 3,072 steps
-took 25 min on 10 Mbit/s links here)."""
+took 23 min on 10 Mbit/s links here)."""
 
 BENCH_IGNORES = {
     "--log-dir": "log_dir",

@@ -197,8 +197,7 @@ def plan(
                     shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
                     servers=servers, bandwidth_bps=rate, rtt_s=rtt / 1e3, compute_s=step_ms / 1e3,
                     local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
-                    code_gbps=code_gbps,
-                    fan_in_efficiency=fan_in_efficiency,
+                    code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
                 )
             )  # fmt: skip
             click.echo(
