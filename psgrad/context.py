@@ -30,7 +30,7 @@ from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm.channel import Channel
 from .comm.layout import RankLayout, Topology
-from .comm.protocol import StepStats, buffers_vector, coded_cost, layer_tag, plan_layers
+from .comm.protocol import Layer, StepStats, buffers_vector, coded_cost, layer_tag, plan_layers
 from .config import RunConfig
 from .devices import rank_device
 from .evaluation import Evaluations
@@ -116,14 +116,7 @@ class RunContext:
             model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
         )
         evaluations = Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data)
-        buffers_size = buffers_vector(model).numel()
-        layers = plan_layers(
-            [(name, tuple(p.shape)) for name, p in model.named_parameters()],
-            granularity=cfg.granularity,
-            owners=layout.server_ranks,
-            bucket_vectors=cfg.bucket_vectors,
-            cost=coded_cost(cfg.codec),
-        )
+        layers = _layer_plan(cfg, model=model, layout=layout)
         transport.check_tag(layer_tag(len(layers)))
         ctx = cls(
             cfg=cfg,
@@ -142,7 +135,7 @@ class RunContext:
             loader=data.loader,
             resume=resume,
             optimizer_fn=optimizer_fn,
-            buffers_size=buffers_size,
+            buffers_size=buffers_vector(model).numel(),
         )
         _announce(ctx, named_model=model_fn is None)
         return ctx
@@ -195,6 +188,17 @@ class RunContext:
         gradient dropped goes out in later steps); None for a dense down-link."""
         down = make_codec(self.cfg.down_codec)
         return make_feedback("ef", down) if down.name != "none" else None
+
+
+def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout) -> list[Layer]:
+    """The model's parameters as the run's layers, sharded over the serving ranks by coded bytes."""
+    return plan_layers(
+        [(name, tuple(p.shape)) for name, p in model.named_parameters()],
+        granularity=cfg.granularity,
+        owners=layout.server_ranks,
+        bucket_vectors=cfg.bucket_vectors,
+        cost=coded_cost(cfg.codec),
+    )
 
 
 def _announce(ctx: RunContext, *, named_model: bool) -> None:

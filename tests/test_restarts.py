@@ -142,7 +142,7 @@ def test_statuses_of_the_stops_that_would_fail_again():
 # ---------------------------------------------------------------- the failure record
 def test_a_dying_rank_is_recorded_with_the_step_it_was_in(tmp_path):
     record = tmp_path / sentinel.FAILURES
-    watcher = sentinel.Sentinel(tmp_path / "claim", 2, "worker", record=record)
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=2, role="worker", record=record)
     watcher.at_step(6)
     watcher.at_step(7)
     watcher.proc.stdin.close()  # the rank dies
@@ -157,10 +157,10 @@ def test_a_dying_rank_is_recorded_with_the_step_it_was_in(tmp_path):
 
 def test_a_deliberate_abort_is_recorded_once(tmp_path):
     record = tmp_path / sentinel.FAILURES
-    watcher = sentinel.Sentinel(tmp_path / "claim", 0, "server", record=record)
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=0, role="server", record=record)
     watcher.at_step(4)
     watcher.claim("NonFiniteError: step 4")  # the rank writes the record itself, then aborts
-    other = sentinel.Sentinel(tmp_path / "claim", 1, "worker", record=record)
+    other = sentinel.Sentinel(tmp_path / "claim", rank=1, role="worker", record=record)
     other.claim("taken down with it")  # the claim is taken: no second record
     for proc in (watcher.proc, other.proc):  # each would wait to tidy the claim away
         proc.kill()

@@ -30,7 +30,7 @@ def holding(monkeypatch):
 
 
 def test_a_held_goodbye_names_a_rank_that_dies_before_its_farewell(tmp_path, capfd, holding):
-    watcher = sentinel.Sentinel(tmp_path / "claim", 2, "worker")
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=2, role="worker")
     watcher.bye()
     assert watcher.proc.poll() is None, "a held goodbye keeps the pipe open"
     watcher.proc.stdin.close()  # the rank dies: the kernel closes its end of the pipe
@@ -40,7 +40,7 @@ def test_a_held_goodbye_names_a_rank_that_dies_before_its_farewell(tmp_path, cap
 
 
 def test_a_held_goodbye_ends_silently_at_the_farewell(tmp_path, capfd, holding):
-    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=1, role="worker")
     assert not sentinel.goodbyes_held()
     watcher.bye()
     assert sentinel.goodbyes_held()
@@ -52,14 +52,14 @@ def test_a_held_goodbye_ends_silently_at_the_farewell(tmp_path, capfd, holding):
 
 def test_a_goodbye_not_held_ends_the_sentinel_at_once(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(sentinel, "_holding", False)  # as in a script that goes on after train.run
-    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker")
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=1, role="worker")
     watcher.bye()
     assert watcher.proc.wait(timeout=10) == 0
     assert "[psgrad sentinel]" not in capfd.readouterr().err and not (tmp_path / "claim").exists()
 
 
 def test_a_rank_that_dies_without_a_word_is_named_so(tmp_path, capfd):
-    watcher = sentinel.Sentinel(tmp_path / "claim", 3, "server")
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=3, role="server")
     watcher.proc.stdin.close()
     line = _died_line(capfd, watcher.proc)
     assert "[psgrad sentinel] rank 3 (server, pid" in line and "died without a word" in line, line
@@ -107,7 +107,7 @@ def test_a_rank_that_ends_without_goodbye_has_its_mpi_segments_removed(tmp_path,
     monkeypatch.setattr(sentinel, "_holding", end == "dies after done")
     monkeypatch.setattr(sentinel, "_held", [])
     paths = _segments(tmp_path)
-    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker", [str(p) for p in paths])
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=1, role="worker", segments=[str(p) for p in paths])
     if end == "aborts":
         watcher.claim("a usage error")
     else:
@@ -124,7 +124,7 @@ def test_a_rank_that_ends_without_goodbye_has_its_mpi_segments_removed(tmp_path,
 def test_a_rank_that_says_goodbye_keeps_its_segments_for_mpi_finalize(tmp_path, monkeypatch):
     monkeypatch.setattr(sentinel, "_holding", False)
     paths = _segments(tmp_path)
-    watcher = sentinel.Sentinel(tmp_path / "claim", 1, "worker", [str(p) for p in paths])
+    watcher = sentinel.Sentinel(tmp_path / "claim", rank=1, role="worker", segments=[str(p) for p in paths])
     watcher.bye()
     assert watcher.proc.wait(timeout=10) == 0
     assert all(p.exists() for p in paths)
@@ -153,7 +153,7 @@ with open(sys.argv[1], "r+b") as f:
     mapped = mmap.mmap(f.fileno(), 64)  # as MPI_Init maps MPICH's segment
 time.sleep(5 * sentinel.POLL_SECONDS)
 if sys.argv[2] == "adopted":
-    sentinel.adopt_early(Path(sys.argv[3]), 2, "worker", segments.job_segments())  # as the watchdog does
+    sentinel.adopt_early(Path(sys.argv[3]), rank=2, role="worker", segments=segments.job_segments())  # as the watchdog does
     time.sleep(0.2)
 if sys.argv[2] != "exits":
     os.kill(os.getpid(), signal.SIGKILL)

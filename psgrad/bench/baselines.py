@@ -27,9 +27,11 @@ import gc
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..config import RunConfig
 from ..data import ImageSet, eval_batches
@@ -167,6 +169,46 @@ def _init_gloo(transport) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=transport.rank, world_size=transport.size)
 
 
+def _run_ddp(
+    kind: str,
+    cfg: RunConfig,
+    *,
+    transport,
+    model: nn.Module,
+    loader,
+    test,
+    steps: int,
+    lr_at: Callable[[int], float],
+    powersgd_rank: int,
+) -> tuple[list[dict], list[dict]]:
+    """``kind``'s DDP over gloo on every rank of the job: the rows and evaluations of ``steps`` steps."""
+    import torch.distributed as dist
+
+    _init_gloo(transport)
+    try:
+        numel = sum(p.numel() for p in model.parameters())
+        ddp, step_bytes = _wrapped(kind, model, numel=numel, workers=transport.size, powersgd_rank=powersgd_rank)
+        evaluate = _evaluator(cfg, model, test, steps)
+        rows, evals = train_rows(
+            cfg,
+            ddp,
+            loader=loader,
+            optimizer=_sgd(cfg, ddp),
+            steps=steps,
+            bytes_of_step=step_bytes,
+            lr_at=lr_at,
+            evaluate=evaluate,
+        )
+        dist.barrier()  # no rank tears gloo down while the other still has work in flight
+        # DDP's reducer must not be the group's last holder: freed by it, the group's destructor
+        # joins gloo's threads with the GIL held while one of them waits for the GIL (a torch deadlock)
+        del ddp
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    return rows, evals
+
+
 def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) -> tuple[list[dict], list[dict]]:
     """Run baseline ``kind`` on every MPI rank of the job; rank 0 returns (rows, evals), others
     ([], []). DDP rows evaluate every ``cfg.eval_every_steps`` steps; ``compute`` has no one model to
@@ -190,8 +232,6 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
 
     # as psgrad's own runs: an unreadable dataset is one line for the job
     model, loader, test = read_agreed(cfg, transport, read, problems=(DataError, FileNotFoundError))
-    numel = sum(p.numel() for p in model.parameters())
-
     # the mean shard, as psgrad's runs agree on it
     spe = int(transport.allreduce_sum([loader.steps_per_epoch])[0] // workers)
 
@@ -205,27 +245,8 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         )
         return (rows, []) if rank == 0 else ([], [])
 
-    import torch.distributed as dist
-
-    _init_gloo(transport)
-    try:
-        ddp, step_bytes = _wrapped(kind, model, numel=numel, workers=workers, powersgd_rank=powersgd_rank)
-        evaluate = _evaluator(cfg, model, test, steps)
-        rows, evals = train_rows(
-            cfg,
-            ddp,
-            loader=loader,
-            optimizer=_sgd(cfg, ddp),
-            steps=steps,
-            bytes_of_step=step_bytes,
-            lr_at=lr_at,
-            evaluate=evaluate,
-        )
-        dist.barrier()  # no rank tears gloo down while the other still has work in flight
-        # DDP's reducer must not be the group's last holder: freed by it, the group's destructor
-        # joins gloo's threads with the GIL held while one of them waits for the GIL (a torch deadlock)
-        del ddp
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
+    rows, evals = _run_ddp(
+        kind, cfg, transport=transport, model=model, loader=loader, test=test, steps=steps, lr_at=lr_at,
+        powersgd_rank=powersgd_rank,
+    )  # fmt: skip
     return (rows, evals) if rank == 0 else ([], [])

@@ -127,6 +127,7 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     "a colocated rank's past 2 workers); 1 loses nothing, 0.74 is what psgrad bench --bandwidth's shaped links reached.",
 )
 def plan(
+    *,
     model: str,
     depth: int,
     widen_factor: int,
@@ -150,12 +151,54 @@ def plan(
 ) -> None:
     """Predict a step's time on links you do not have: a cost model of the bytes on the busiest
     link, round trips, coding and overlap, validated on this machine's shaped runs (docs/planning.md, "How well it predicts")."""
-    from ..codecs import make_codec
     from ..plan import Scenario
     from ..plan import plan as predict
 
+    _check(codecs=(codec, down_codec), local_steps=local_steps, servers=servers, overlap_exchange=overlap_exchange,
+           overlap_steps=overlap_steps, step_ms=step_ms, matrices=matrices)  # fmt: skip
+    shapes, step_ms = _shapes_and_step(
+        model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
+        vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
+    )  # fmt: skip
+    params = sum(math.prod(shape) for shape in shapes)
+    click.echo(
+        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
+        f"step, RTT {rtt_ms:g} ms (modelled), local steps {local_steps}"
+        + (f" overlapped by {overlap_steps or local_steps}" if overlap_exchange else "")
+        + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
+    )
+    click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
+    for n in workers:
+        for rate in bandwidth:
+            result = predict(
+                Scenario(
+                    shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
+                    servers=servers, bandwidth_bps=rate, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
+                    local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
+                    code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
+                )
+            )  # fmt: skip
+            click.echo(
+                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {result.utilisation:>9.2f}  "
+                f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
+            )
+
+
+def _check(
+    *,
+    codecs: tuple[str, ...],
+    local_steps: int,
+    servers: int,
+    overlap_exchange: bool,
+    overlap_steps: int,
+    step_ms: float | None,
+    matrices: str | None,
+) -> None:
+    """The options' rules that click's types cannot state, as usage errors."""
+    from ..codecs import make_codec
+
     try:
-        for spec in (codec, down_codec):
+        for spec in codecs:
             make_codec(spec)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
@@ -167,43 +210,36 @@ def plan(
         raise click.UsageError(f"--overlap-steps {overlap_steps}: at most --local-steps {local_steps}")
     if step_ms is None and matrices is not None:
         raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
-    rtt = rtt_ms
-    if matrices is not None:
-        shapes = _matrix_shapes(matrices, vector_params)
-    else:
-        from ..models import build_model
 
-        built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
-        shapes = [tuple(p.shape) for p in built.parameters()]
-    if step_ms is None:  # a psgrad model (--matrices needs a step time): the one built above
+
+def _shapes_and_step(
+    *,
+    model: str,
+    depth: int,
+    widen_factor: int,
+    classes: int,
+    matrices: str | None,
+    vector_params: int,
+    step_ms: float | None,
+    batch_size: int,
+) -> tuple[list[tuple[int, ...]], float]:
+    """The layer shapes that travel and the compute-only step in ms: ``--matrices`` as given, or
+    ``--model`` built here, its step timed here when ``--step-ms`` is not given."""
+    if matrices is not None:
+        assert step_ms is not None  # _check
+        return _matrix_shapes(matrices, vector_params), step_ms
+    from ..models import build_model
+
+    built = build_model(model, classes, depth=depth, widen_factor=widen_factor)
+    shapes = [tuple(p.shape) for p in built.parameters()]
+    if step_ms is None:
         from ..plan import measured_step_s
 
         step_ms = 1e3 * measured_step_s(built, batch_size=batch_size, classes=classes)
         click.echo(
             f"compute-only step measured here: {step_ms:.1f} ms (--model {model}, batch {batch_size}, one thread)"
         )
-    params = sum(math.prod(shape) for shape in shapes)
-    click.echo(
-        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
-        f"step, RTT {rtt:g} ms (modelled), local steps {local_steps}"
-        + (f" overlapped by {overlap_steps or local_steps}" if overlap_exchange else "")
-        + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
-    )
-    click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
-    for n in workers:
-        for rate in bandwidth:
-            result = predict(
-                Scenario(
-                    shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
-                    servers=servers, bandwidth_bps=rate, rtt_s=rtt / 1e3, compute_s=step_ms / 1e3,
-                    local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
-                    code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
-                )
-            )  # fmt: skip
-            click.echo(
-                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {result.utilisation:>9.2f}  "
-                f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
-            )
+    return shapes, step_ms
 
 
 def _rate(bits: int) -> str:

@@ -140,14 +140,14 @@ def start_early() -> None:
 
 
 def adopt_early(
-    claim_path: Path, rank: int, role: str, segments: Sequence[str], record: Path | None = None
+    claim_path: Path, *, rank: int, role: str, segments: Sequence[str], record: Path | None = None
 ) -> Sentinel | None:
     """The sentinel ``start_early`` started, now told the job (``Sentinel.adopt``), or None if there
     is none (a script that calls ``train.run`` itself; a second run in one process)."""
     global _early
     early, _early = _early, None
     if early is not None:
-        early.adopt(claim_path, rank, role, segments, record)
+        early.adopt(claim_path, rank=rank, role=role, segments=segments, record=record)
     return early
 
 
@@ -163,6 +163,7 @@ class Sentinel:
     def __init__(
         self,
         claim_path: Path | None,
+        *,
         rank: int = -1,
         role: str = "",
         segments: Sequence[str] = (),
@@ -183,10 +184,10 @@ class Sentinel:
         self._name(segments)
 
     def adopt(
-        self, claim_path: Path, rank: int, role: str, segments: Sequence[str] = (), record: Path | None = None
+        self, claim_path: Path, *, rank: int, role: str, segments: Sequence[str] = (), record: Path | None = None
     ) -> None:
         """An early sentinel learns the job's claim file, the rank, its segments and the failure
-        record: from now on it is what ``Sentinel(claim_path, rank, role, segments, record)``
+        record: from now on it is what ``Sentinel(claim_path, rank=..., role=..., ...)``
         would have started."""
         self.claim_path, self.rank, self.role, self.record = claim_path, rank, role, record
         fields = (os.fsencode(str(claim_path)), str(rank).encode(), role.encode(), os.fsencode(str(record or "")))
@@ -229,9 +230,11 @@ class Sentinel:
         self._tell(_ABORT)
 
 
-def _watch(pid: str, claim_path: str | None = None, rank: str = "", role: str = "", record: str = "") -> None:
+def _watch(pid: str, job: Sequence[str] = ()) -> None:
     """The sentinel's side: read the rank's words until it closes the pipe (or dies); an early
-    sentinel (no ``claim_path``) looks at the rank's segments meanwhile, until it is adopted."""
+    sentinel (no ``job``: claim path, rank, role, failure record) looks at the rank's segments
+    meanwhile, until it is adopted."""
+    claim_path, rank, role, record = (*job, "", "", "")[:4] if job else (None, "", "", "")  # record may be left out
     segments = _segments_module()
     words: list[bytes] = []
     step: int | None = None  # the last step the rank started (kept apart: one word a step)
@@ -357,4 +360,4 @@ def _segments_module() -> ModuleType:
 
 
 if __name__ == "__main__":
-    _watch(*sys.argv[1:6])
+    _watch(sys.argv[1], sys.argv[2:6])

@@ -94,9 +94,8 @@ class Watchdog:
             directory.mkdir(parents=True, exist_ok=True)
             claim_path, role, mapped = directory / f".psgrad-{job}.died", self.names(self.rank), segments.job_segments()
             record = Path(self.claim_dir) / FAILURES if self.claim_dir else None  # only into a log dir
-            self.sentinel = adopt_early(claim_path, self.rank, role, mapped, record) or Sentinel(
-                claim_path, self.rank, role, mapped, record
-            )
+            told = dict(rank=self.rank, role=role, segments=mapped, record=record)
+            self.sentinel = adopt_early(claim_path, **told) or Sentinel(claim_path, **told)
             self.comm = self.world.dup()
             now = time.monotonic()
             peers = range(1, self.size) if self.rank == 0 else [0]
