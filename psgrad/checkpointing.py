@@ -50,13 +50,16 @@ class Checkpoints:
         return checkpoint.save_model(self.log_dir, model) if self.log_dir else None
 
 
-def load_resume(resume: str | None, *, transport: Channel, total: int) -> tuple[dict | None, int]:
-    """This rank's state in the checkpoint ``resume`` names (None without ``--resume``) and the
-    step the run starts at (collective: every rank checks that all the files are of one step).
-    A checkpoint at or past ``total`` steps leaves nothing to train: CheckpointError says how to
-    go on."""
+def load_resume(
+    resume: str | None, *, transport: Channel, total: int, settings: dict
+) -> tuple[dict | None, int, list[str]]:
+    """This rank's state in the checkpoint ``resume`` names (None without ``--resume``), the
+    step the run starts at (collective: every rank checks that all the files are of one step), and
+    the ``settings`` (a RunConfig as a dict) that shape the training and changed since the run that
+    wrote it (``checkpoint.changed_settings``). A checkpoint at or past ``total`` steps leaves
+    nothing to train: CheckpointError says how to go on."""
     if not resume:
-        return None, 0
+        return None, 0, []
     directory = checkpoint.resolve(resume)
     state = checkpoint.load_rank_state(directory, transport.rank, transport.size)
     start = int(state["step"])
@@ -68,4 +71,4 @@ def load_resume(resume: str | None, *, transport: Channel, total: int) -> tuple[
             f"--resume {resume} is at step {start}, nothing left of {total} steps: to train on, give "
             f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
         )
-    return state, start
+    return state, start, checkpoint.changed_settings(resume, settings)

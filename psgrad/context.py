@@ -1,9 +1,10 @@
 """The run context, built once per rank and not changed after, and the interface every role
 implements.
 
-``RunContext.build`` does, in order (on the layout ``startup.prepare`` gave): device -> model ->
-layer plan -> this rank's data and the run's steps -> resume state; ``open_log`` then writes config.json and opens the
-metrics log (rank 0), once a resumed state has loaded on every rank. Every role receives the same
+``RunContext.build`` does, in order (on the layout ``startup.prepare`` gave): this rank's data and
+the run's steps -> device -> model -> checkpoints and resume state -> evaluations -> layer plan;
+``open_log`` then writes config.json and opens the metrics log (rank 0), once a resumed state has
+loaded on every rank. Every role receives the same
 context, so no role wires up a model, codec, feedback, evaluation or checkpoint path of its own:
 evaluations are ``ctx.evaluations`` (psgrad.evaluation), checkpoints ``ctx.checkpoints``
 (psgrad.checkpointing).
@@ -17,7 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm.channel import Channel
 from .comm.layout import RankLayout, Topology
-from .comm.protocol import Layer, StepStats, buffers_vector, coded_cost, layer_tag, plan_layers
+from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
 from .config import RunConfig
 from .devices import rank_device
 from .evaluation import Evaluations
@@ -66,6 +67,7 @@ class RunContext:
     checkpoints: Checkpoints
     loader: object | None = None
     resume: dict | None = None
+    resume_changed: tuple[str, ...] = ()  # settings that shape training, changed since the resumed run
     optimizer_fn: OptimizerFn | None = None
     buffers_size: int = 0
     sums: bool = False  # the servers return the workers' mean gradient; the workers update (own loop)
@@ -96,12 +98,18 @@ class RunContext:
 
         1. This rank's data and the run's steps (``shards.rank_data``: the job stops there when a
            dataset cannot serve it), before anything large is built.
-        2. The run's checkpoints, the resumed state and the step the run starts at.
-        3. Threads, this rank's device, and the model, from the same seed on every rank.
+        2. Threads, this rank's device, and the model, from the same seed on every rank.
+        3. The run's checkpoints, the resumed state, the step the run starts at and the settings
+           changed since the resumed run (said at start-up), then rank 0's evaluations.
         4. The layer plan, sharded over the serving ranks by coded bytes.
         """
         trains = layout.is_worker(transport.rank)
         data = rank_data(cfg, transport=transport, layout=layout, loader_fn=loader_fn, own_test_set=eval_data is None)
+        torch.set_num_threads(cfg.threads)
+        device = rank_device(cfg.device, transport=transport, is_worker=trains)
+        model = seeded_model(
+            model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
+        )
         checkpoints = Checkpoints(
             cfg.log_dir,
             transport=transport,
@@ -109,34 +117,23 @@ class RunContext:
             every=cfg.checkpoint_every_steps,
             keep=cfg.keep_checkpoints,
         )
-        resume, start = load_resume(cfg.resume, transport=transport, total=data.total)
-        torch.set_num_threads(cfg.threads)
-        device = rank_device(cfg.device, transport=transport, is_worker=trains)
-        model = seeded_model(
-            model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed
-        )
+        resume, start, changed = load_resume(cfg.resume, transport=transport, total=data.total, settings=asdict(cfg))
         evaluations = Evaluations(cfg, model=model, trains=trains, loss_fn=loss_fn, data=data, eval_data=eval_data)
-        layers = _layer_plan(cfg, model=model, layout=layout)
+        buffers_size = buffers_vector(model).numel()
+        layers = plan_layers(
+            [(name, tuple(p.shape)) for name, p in model.named_parameters()],
+            granularity=cfg.granularity,
+            owners=layout.server_ranks,
+            bucket_vectors=cfg.bucket_vectors,
+            codec_spec=cfg.codec,
+        )
         transport.check_tag(layer_tag(len(layers)))
         ctx = cls(
-            cfg=cfg,
-            transport=transport,
-            layout=layout,
-            model=model,
-            layers=layers,
-            loss_fn=loss_fn,
-            label=data.label,
-            steps_per_epoch=data.steps_per_epoch,
-            total=data.total,
-            start=start,
-            device=device,
-            evaluations=evaluations,
-            checkpoints=checkpoints,
-            loader=data.loader,
-            resume=resume,
-            optimizer_fn=optimizer_fn,
-            buffers_size=buffers_vector(model).numel(),
-        )
+            cfg=cfg, transport=transport, layout=layout, model=model, layers=layers, loss_fn=loss_fn,
+            label=data.label, steps_per_epoch=data.steps_per_epoch, total=data.total, start=start, device=device,
+            evaluations=evaluations, checkpoints=checkpoints, loader=data.loader, resume=resume,
+            resume_changed=tuple(changed), optimizer_fn=optimizer_fn, buffers_size=buffers_size,
+        )  # fmt: skip
         _announce(ctx, named_model=model_fn is None)
         return ctx
 
@@ -190,17 +187,6 @@ class RunContext:
         return make_feedback("ef", down) if down.name != "none" else None
 
 
-def _layer_plan(cfg: RunConfig, *, model: nn.Module, layout: RankLayout) -> list[Layer]:
-    """The model's parameters as the run's layers, sharded over the serving ranks by coded bytes."""
-    return plan_layers(
-        [(name, tuple(p.shape)) for name, p in model.named_parameters()],
-        granularity=cfg.granularity,
-        owners=layout.server_ranks,
-        bucket_vectors=cfg.bucket_vectors,
-        cost=coded_cost(cfg.codec),
-    )
-
-
 def _announce(ctx: RunContext, *, named_model: bool) -> None:
     """Rank 0's start-up lines: which rank plays which role in which process, and the run."""
     pids = ctx.transport.all_pids()
@@ -220,6 +206,12 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
         f"steps {ctx.start}..{ctx.total} ({ctx.steps_per_epoch} per epoch)",
         file=sys.stderr,
     )
+    if ctx.resume_changed:  # allowed (the state may still fit), but the run is not the one it continues
+        print(
+            f"[psgrad] resumed at step {ctx.start} with settings changed since the run that wrote the checkpoint: "
+            + "; ".join(ctx.resume_changed),
+            file=sys.stderr,
+        )
     note = accuracy_note(cfg)
     if note is not None:
         print(f"[psgrad] {note}", file=sys.stderr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +156,7 @@ def _load_state(role, ctx: RunContext) -> None:
     except PeerFailure:  # another rank's failure, not this checkpoint's
         raise
     except (ValueError, KeyError, RuntimeError) as err:
-        changed = checkpoint.changed_settings(ctx.cfg.resume, asdict(ctx.cfg))
+        changed = ctx.resume_changed
         since = f"; changed since the run that wrote it: {', '.join(changed)}" if changed else ""
         raise checkpoint.CheckpointError(
             f"--resume {ctx.cfg.resume}: the checkpoint of step {ctx.start} does not fit this run's settings "

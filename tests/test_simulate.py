@@ -327,7 +327,8 @@ def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, top
 
 def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     """`psgrad simulate --resume D/ckpt-step3 --steps 6` continues D's run with its own settings and
-    logs into D (each step once, the model of the uninterrupted run); resuming with --feedback none
+    logs into D (each step once, the model of the uninterrupted run); resuming with another --lr
+    says so at start-up and trains; resuming with --feedback none
     is one error that names the changed setting, not a traceback from deep in the worker; resuming
     a finished run says how to train on; another number of workers, or no checkpoint, is a usage
     error before any rank starts."""
@@ -340,10 +341,15 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     again = ["simulate", "--workers", "2", "--resume", str(run / "ckpt-step3"), "--steps", "6", "--no-progress"]
     done = CliRunner().invoke(main, again)
     assert done.exit_code == 0, done.output[-3000:]
+    assert "changed since the run" not in done.stderr  # its own settings: nothing to say
     assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
     resumed = torch.load(run / "model.pt", weights_only=True)
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+    new_lr = CliRunner().invoke(main, [*again, "--lr", "0.0125"])  # fits the state, shapes the training: said
+    assert new_lr.exit_code == 0, new_lr.output[-3000:]
+    assert "resumed at step 3 with settings changed since the run that wrote the checkpoint: --lr" in new_lr.stderr
+    assert "-> 0.0125" in new_lr.stderr
     misfit = CliRunner().invoke(main, [*again[:-3], "--steps", "9", "--feedback", "none", "--no-progress"])
     assert misfit.exit_code == 4  # a checkpoint problem (runtime/exits.py): a restart would not help
     assert "does not fit this run's settings" in misfit.stderr and "--feedback ef -> none" in misfit.stderr

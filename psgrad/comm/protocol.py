@@ -76,12 +76,13 @@ def plan_layers(
     granularity: str,
     owners: list[int] | int,
     bucket_vectors: bool = False,
-    cost: Callable[[tuple[int, ...], bool], float] | None = None,
+    codec_spec: str | None = None,
 ) -> list[Layer]:
     """The layers every rank agrees on, from the model's ordered (name, shape) list.
 
     ``owners`` are the serving ranks (an int S means ranks 0..S-1); layers are balanced over them
-    by ``cost(shape, compress)`` (default: the element count; the run passes the coded bytes).
+    by the bytes their gradient message may take on the wire under ``codec_spec`` (the run's
+    codec; uncompressed layers, the vector bucket, are dense), or without one by element count.
     With ``bucket_vectors`` (granularity ``layer``), all parameters of at most one dimension —
     biases, normalisation scales and shifts — form one uncompressed layer, placed first:
     1. they are a tiny share of the bytes (0.1 % of WRN-16-4) but most of the messages
@@ -91,7 +92,7 @@ def plan_layers(
        forward pass needs it first, like the first convolution.
     """
     ranks = list(range(owners)) if isinstance(owners, int) else list(owners) or [0]
-    cost = cost or (lambda shape, compress: float(math.prod(shape)))
+    cost = _coded_cost(codec_spec) if codec_spec else (lambda shape, compress: float(math.prod(shape)))
     if granularity == "model":
         total = sum(math.prod(shape) for _, shape in named_shapes)
         return [Layer(0, "__model__", (total,), tuple(n for n, _ in named_shapes), ranks[0])]
@@ -110,9 +111,8 @@ def plan_layers(
     ]
 
 
-def coded_cost(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
-    """A layer's ``cost`` for ``plan_layers``: the bytes its gradient message may take on the wire
-    (uncompressed layers, the vector bucket, are dense)."""
+def _coded_cost(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
+    """A layer's cost for ``plan_layers``: the bytes its gradient message may take on the wire."""
     return lambda shape, compress: float(wire.max_message_bytes(codec_spec if compress else "none", shape))
 
 

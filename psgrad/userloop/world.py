@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..choices import RENAMED
 from ..comm.layout import RankLayout
-from ..comm.protocol import coded_cost, layer_tag, plan_layers
+from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
 from ..config import RunConfig
 from ..context import RunContext
@@ -163,7 +163,7 @@ def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]]) -> lis
         granularity=w.cfg.granularity,
         owners=w.layout.server_ranks,
         bucket_vectors=w.cfg.bucket_vectors,
-        cost=coded_cost(w.cfg.codec),
+        codec_spec=w.cfg.codec,
     )
     w.transport.check_tag(layer_tag(len(layers)))
     return layers
