@@ -214,13 +214,13 @@ def _check(
 
 def _shapes_and_step(
     *,
+    matrices: str | None,
+    vector_params: int,
+    step_ms: float | None,
     model: str,
     depth: int,
     widen_factor: int,
     classes: int,
-    matrices: str | None,
-    vector_params: int,
-    step_ms: float | None,
     batch_size: int,
 ) -> tuple[list[tuple[int, ...]], float]:
     """The layer shapes that travel and the compute-only step in ms: ``--matrices`` as given, or
