@@ -4,10 +4,9 @@ implements.
 ``RunContext.build`` does, in order (on the layout ``startup.prepare`` gave): this rank's data and
 the run's steps -> device -> model -> checkpoints and resume state -> evaluations -> layer plan;
 ``open_log`` then writes config.json and opens the metrics log (rank 0), once a resumed state has
-loaded on every rank. Every role receives the same
-context, so no role wires up a model, codec, feedback, evaluation or checkpoint path of its own:
-evaluations are ``ctx.evaluations`` (psgrad.evaluation), checkpoints ``ctx.checkpoints``
-(psgrad.checkpointing).
+loaded on every rank. Every role receives the same context, so no role wires up a model, codec,
+feedback, evaluation or checkpoint path of its own: evaluations are ``ctx.evaluations``
+(psgrad.evaluation), checkpoints ``ctx.checkpoints`` (psgrad.checkpointing).
 """
 
 from __future__ import annotations
