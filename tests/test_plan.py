@@ -131,6 +131,18 @@ def test_the_command_prints_a_row_per_workers_and_link():
     assert float(rows[0][4]) > float(rows[1][4])  # a faster link, more of compute
 
 
+def test_a_link_bound_cell_keeps_its_figure():
+    # 1.2 B parameters of dense fp32 through one server at 1 Gbit/s: about 0.0002x compute
+    done = CliRunner().invoke(
+        main,
+        ["plan", "--matrices", "96x2048x2048,48x2048x8192", "--step-ms", "100", "--workers", "16",
+         "--topology", "ps", "--bandwidth", "1gbit"],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    share = float(done.output.splitlines()[2].split()[4])
+    assert 0 < share < 0.001
+
+
 @pytest.mark.parametrize(
     "args,fragment",
     [

@@ -179,7 +179,7 @@ def plan(
                 )
             )  # fmt: skip
             click.echo(
-                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {result.utilisation:>9.2f}  "
+                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
                 f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
             )
 
@@ -240,6 +240,12 @@ def _shapes_and_step(
             f"compute-only step measured here: {step_ms:.1f} ms (--model {model}, batch {batch_size}, one thread)"
         )
     return shapes, step_ms
+
+
+def _fraction(value: float) -> str:
+    """A fraction of compute-only speed: two decimals, or two significant digits below 0.1, so a
+    badly link-bound cell reads 0.00016, not 0.00."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
 
 
 def _rate(bits: int) -> str:
