@@ -7,7 +7,9 @@ combination that trailed dense training.
    fraction on psgrad's second dataset (``--dataset digits``, real handwritten digits) and on a
    held-out real image set run outside psgrad (datasets of another kind than the proxy). A codec is a spec: its name, and the
    parameters that set it apart (``sign:bucket=32``); parameters it leaves out match any value.
-   An entry measured on a gossip topology names it and holds for that topology only.
+   An entry measured on a gossip topology names it and holds for that topology only. An entry
+   may also record that the combination did not learn a larger model at all (``failed``): at
+   parity on both datasets, it still trails.
 2. ``accuracy_note(cfg)`` finds the entry of a run's combination (topologies without a
    down-link count as a dense down-link) and, when it reached less than ``PARITY`` of dense on
    the proxy or less than ``HELD_OUT_PARITY`` on either real set, returns one sentence for rank 0 to print at start-up, the fraction rounded down to two places
@@ -62,12 +64,14 @@ class Measured:
     held_out: float | None = None  # x dense on the held-out set; None: not measured there
     local: str = ""  # "": a gradient every step; else the local steps measured (``local_key``)
     digits: float | None = None  # x dense on --dataset digits; None: not measured there
+    failed: str = ""  # a larger model it did not learn, and where that is shown; "": none seen
 
     @property
     def trails(self) -> bool:
-        """Whether it reached less than the bar on any dataset it was measured on."""
+        """Whether it reached less than the bar on any dataset it was measured on, or failed to
+        learn a larger model."""
         real = [x for x in (self.held_out, self.digits) if x is not None]
-        return self.of_dense < PARITY or any(x < HELD_OUT_PARITY for x in real)
+        return bool(self.failed) or self.of_dense < PARITY or any(x < HELD_OUT_PARITY for x in real)
 
 
 MEASURED = (
@@ -205,6 +209,31 @@ MEASURED = (
         'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped by 4 steps"), digits=1.003,
     ),
     Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=64", 0.972, "--local-steps 32 --overlap-exchange --overlap-steps 16, qsgd:levels=16 with ef, 64 levels down, 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped by 16 steps"),
+    ),
+    Measured(
+        "qsgd:levels=16", "ef", "qsgd:levels=64", 0.887, "--local-steps 16 --overlap-exchange, qsgd:levels=16 with ef, 64 levels down, 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=16, overlap=", overlapped"),
+    ),
+    Measured(
+        "sign:bucket=0", "ef", "sign:bucket=0", 0.998, "--local-steps 8 --overlap-exchange --overlap-steps 4, sign with ef both ways, 3 seeds",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=8, overlap=", overlapped by 4 steps"), digits=0.997,
+        failed="it did not learn WRN-16-4 (batch 16, the proxy: the loss stayed at chance for 520 steps)",
+    ),
+    Measured(
+        "sign:bucket=0", "ef", "sign:bucket=0", 0.978, "--local-steps 16 --overlap-exchange --overlap-steps 8, sign with ef both ways, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=16, overlap=", overlapped by 8 steps"),
+    ),
+    Measured(
+        "sign:bucket=0", "ef", "sign:bucket=0", 0.948, "--local-steps 32 --overlap-exchange --overlap-steps 8, sign with ef both ways, 1 seed",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped by 8 steps"),
+    ),
+    Measured(
+        "qsgd:levels=4", "ef", "qsgd:levels=4", 0.130, "--local-steps 16 --overlap-exchange --overlap-steps 8, qsgd:levels=4 with ef both ways, 1 seed: it diverged",
+        'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=16, overlap=", overlapped by 8 steps"),
+    ),
+    Measured(
         "none", "none", "none", 0.962, "--local-steps 32 --overlap-exchange, dense exchanges, median of 2 seeds",
         'docs/benchmarks.md, "Slow links"', local=_LOCAL.format(h=32, overlap=", overlapped"),
     ),
@@ -268,11 +297,13 @@ def accuracy_note(cfg: RunConfig) -> str | None:
     held_out = f", {_fraction(found.digits)}x on {DIGITS}" if found.digits is not None else ""
     held_out += f" and {_fraction(found.held_out)}x on {HELD_OUT}" if found.held_out is not None else ""
     what = "these local steps and codec" if found.local else "this combination of codec, feedback and down-link"
-    return (
+    reached = (
         f"note: {what} reached {_fraction(found.of_dense)}x dense test "
-        f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}: expect it to "
-        "need more epochs than --codec none, and compare the two"
+        f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}"
     )
+    if found.failed:
+        return f"{reached}, but {found.failed}: compare it with --codec none before relying on it"
+    return f"{reached}: expect it to need more epochs than --codec none, and compare the two"
 
 
 def _fraction(value: float) -> str:

@@ -77,6 +77,19 @@ def test_a_note_names_the_digits_where_they_were_measured():
     assert measured(RunConfig(codec="topk:ratio=0.01", feedback="ef")).trails
 
 
+def test_a_combination_at_parity_that_did_not_learn_a_larger_model_is_not_recommended():
+    """Sign both ways with 8 local steps overlapped by 4 matched dense on WRN-10-1 but left
+    WRN-16-4 at chance: the start-up note says so."""
+    cfg = RunConfig(
+        codec="sign", feedback="ef", down_codec="sign", topology="colocated",
+        local_steps=8, overlap_exchange=True, overlap_steps=4,
+    )  # fmt: skip
+    found = measured(cfg)
+    assert found is not None and found.of_dense >= PARITY and found.trails
+    note = accuracy_note(cfg)
+    assert note is not None and "but it did not learn WRN-16-4" in note and "compare it with --codec none" in note
+
+
 def test_every_entry_names_a_real_codec_and_a_docs_section():
     codecs = {name.split(":")[0] for name in available_codecs()}
     for entry in MEASURED:

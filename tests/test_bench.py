@@ -514,3 +514,28 @@ def test_a_run_to_an_accuracy_gets_hours_not_the_throughput_rows_minutes(monkeyp
     done = CliRunner().invoke(main, ["bench", "--model", "mlp", "--steps", "4", "--codecs", "none", *args])
     assert done.exit_code == 0, done.output
     assert seen["timeout"] == timeout
+
+
+class _TwoRanks:
+    """Rank 0 of a two-rank allreduce whose other rank reports ``theirs``."""
+
+    rank, size = 0, 2
+
+    def __init__(self, theirs: list[float]) -> None:
+        self.theirs = theirs
+
+    def allreduce_sum(self, values):
+        import numpy as np
+
+        table = np.asarray(values, dtype=float).reshape(2, -1)
+        table[1] += self.theirs
+        return table.ravel()
+
+
+def test_compute_only_runs_at_the_slowest_ranks_pace():
+    """The ceiling of a job that waits for every worker: each step ends when its last rank's does."""
+    from psgrad.bench.baselines import slowest_clock
+
+    rows = [{"wall": w} for w in (1.0, 2.0, 3.0)]
+    slowest_clock(rows, transport=_TwoRanks([1.5, 2.0, 3.3]))
+    assert [row["wall"] for row in rows] == [1.5, 2.0, 3.3]

@@ -5,9 +5,11 @@ and returns per-step rows in the shape ``psgrad.bench.launcher`` measures (``wal
 breakdown and bytes), so they land in the same table.
 
 1. ``compute``: every worker rank trains its own shard at the same time, with no communication at
-   all (plain ``torch.optim.SGD``); rank 0's it/s is what a perfectly hidden network would give
-   the workers sharing this machine (the ceiling for every codec). ``mpiexec -n 1`` gives the
-   rate of one process alone.
+   all (plain ``torch.optim.SGD``); its clock is the slowest rank's (``slowest_clock``), so its
+   it/s is what a perfectly hidden network would give the workers sharing this machine (the
+   ceiling for every codec: a data-parallel job moves at its slowest worker's pace; on the
+   2-core development VM one rank ran 1-5 % behind the other). ``mpiexec -n 1`` gives the rate of
+   one process alone.
 2. ``ddp``: every MPI rank is a worker; ``DistributedDataParallel`` over gloo (TCP), whose
    bucketed allreduce overlaps backward. gloo is initialised from a TCP address and port that rank 0
    broadcasts over MPI (``PSGRAD_RANK0_ADDR``, 127.0.0.1 unless the run is shaped).
@@ -29,6 +31,7 @@ import socket
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +44,21 @@ from ..optim import learning_rate
 from ..runtime.allocator import keep_freed_memory
 
 BASELINES = ("compute", "ddp", "ddp-powersgd")
+
+
+def slowest_clock(rows: list[dict], *, transport) -> None:
+    """Set each row's ``wall`` to the slowest rank's at that step (collective; the ranks started
+    together): a step of a job that waits for every worker ends when its last worker's does.
+
+    1. Every rank writes its walls into its own row of a ranks x steps table, zeros elsewhere.
+    2. One allreduce sums the tables: every rank then holds all of them.
+    3. Each step's wall is the largest of its column.
+    """
+    walls = np.zeros((transport.size, len(rows)))
+    walls[transport.rank] = [row["wall"] for row in rows]
+    every = np.asarray(transport.allreduce_sum(walls.ravel())).reshape(transport.size, len(rows))
+    for row, wall in zip(rows, every.max(axis=0), strict=True):
+        row["wall"] = float(wall)
 
 
 def _model_and_loader(cfg: RunConfig, worker: int, workers: int):
@@ -243,6 +261,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         rows, _ = train_rows(
             cfg, model, loader=loader, optimizer=_sgd(cfg, model), steps=steps, bytes_of_step=lambda: 0, lr_at=lr_at
         )
+        slowest_clock(rows, transport=transport)
         return (rows, []) if rank == 0 else ([], [])
 
     rows, evals = _run_ddp(
