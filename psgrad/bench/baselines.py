@@ -30,6 +30,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,10 +44,13 @@ from ..models.layout import in_layout, memory_format
 from ..optim import learning_rate
 from ..runtime.allocator import keep_freed_memory
 
+if TYPE_CHECKING:  # the interface only
+    from ..comm.channel import Channel
+
 BASELINES = ("compute", "ddp", "ddp-powersgd")
 
 
-def slowest_clock(rows: list[dict], *, transport) -> None:
+def slowest_clock(rows: list[dict], *, transport: Channel) -> None:
     """Set each row's ``wall`` to the slowest rank's at that step (collective; the ranks started
     together): a step of a job that waits for every worker ends when its last worker's does.
 
