@@ -248,7 +248,8 @@ def local_key(cfg: RunConfig) -> str:
     """What sets one run with ``--local-steps`` apart from another for accuracy ("" without)."""
     if not cfg.local_steps:
         return ""
-    overlap = ", overlapped" if cfg.overlap_exchange else ""
+    overlap = f", {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+    overlap += ", overlapped" if cfg.overlap_exchange else ""
     if cfg.overlap_exchange and cfg.overlap_steps not in (0, cfg.local_steps):
         overlap += f" by {cfg.overlap_steps} steps"
     return (

@@ -35,6 +35,9 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
    exchange comes every H-th step and waits: ``compute + (coding + link + latency) / H``; with
    ``overlap_exchange`` it runs beside the steps until its reply is taken, tau (``overlap_steps``,
    H by default), less one: ``compute + (coding + max(0, link + latency - (tau-1) x compute)) / H``.
+   With F fragments (``fragments``) each exchange moves link / F, F times in H steps, each with
+   its own latency and tau: ``compute + (coding + F x max(0, link / F + latency - (tau-1) x
+   compute)) / H``, and never less than the link's share, ``(link - H x compute) / H``, a step.
 7. psgrad adds its own bookkeeping, ``PSGRAD_OVERHEAD`` x compute a step (``overhead``).
 8. Utilisation is compute / step; the bottleneck is the largest cost beside compute (link,
    latency, coding or psgrad's overhead), or compute itself when none reaches a tenth of it.
@@ -103,6 +106,7 @@ class Scenario:
     local_steps: int = 1
     overlap_exchange: bool = False
     overlap_steps: int = 0  # the steps an overlapped exchange's reply is taken after; 0: local_steps
+    fragments: int = 1  # --fragments: 1/F of the model exchanges every H/F steps
     code_gbps: float | None = None
     efficiency: float = EFFICIENCY
     fan_in_efficiency: float = 1.0  # FAN_IN_EFFICIENCY: this machine's shaped links
@@ -259,6 +263,8 @@ def plan(s: Scenario) -> Plan:
         raise ValueError("workers, local steps, bandwidth and compute time must be positive")
     if not 0 <= s.overlap_steps <= s.local_steps:
         raise ValueError(f"overlap_steps must be in [0, local_steps], got {s.overlap_steps}")
+    if s.fragments < 1 or s.local_steps % s.fragments:
+        raise ValueError(f"fragments must divide local_steps {s.local_steps}, got {s.fragments}")
     if not 0 < s.fan_in_efficiency <= 1:
         raise ValueError(f"fan_in_efficiency must be in (0, 1], got {s.fan_in_efficiency}")
     exchange = exchange_of(s.topology)
@@ -272,11 +278,14 @@ def plan(s: Scenario) -> Plan:
         parts = {"compute": s.compute_s, "coding": coding, "link": exposed_link, "latency": latency}
     elif s.overlap_exchange:
         hidden_behind = (s.overlap_steps or h) - 1
-        waited = max(0.0, link + latency - hidden_behind * s.compute_s) / h
-        share = waited / (link + latency) if link + latency > 0 else 0.0
-        parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": latency * share}
+        f = s.fragments
+        waited = max(0.0, link / f + latency - hidden_behind * s.compute_s) * f / h
+        waited = max(waited, (link - h * s.compute_s) / h)  # the link carries the model once in H steps
+        share = waited / (link + f * latency) if link + latency > 0 else 0.0
+        parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": f * latency * share}
     else:
-        parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": latency / h}
+        f = s.fragments
+        parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": f * latency / h}
     own = 0.0 if exchange.all_reduce else PSGRAD_OVERHEAD
     overhead = s.overhead if s.overhead is not None else own
     parts["overhead"] = overhead * s.compute_s

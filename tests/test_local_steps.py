@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import metrics_rows, train_runs
 
+from psgrad.comm.protocol import Layer
 from psgrad.config import RunConfig
-from psgrad.engine.local import exchange_of, exchanges_after, exchanges_done
+from psgrad.engine.local import exchange_of, exchanges_after, exchanges_done, fragment_of
 
 BASE = ["--model", "mlp", "--dataset", "synthetic", "--steps", "12", "--lr", "0.05", "--no-progress"]
 ONE_STEP_IS_A_STEP = ["--local-steps", "1", "--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0"]
@@ -139,6 +140,76 @@ def test_exchanges_are_counted_on_the_wire_not_batches():
     assert exchange_of(plain, 7) == 7 and exchanges_after(plain, 7, 10) and exchanges_done(plain, 7, 10) == 7
 
 
+def test_fragments_take_turns_and_each_counts_its_own_exchanges():
+    """H = 4, F = 2 over 12 steps: fragment 0 exchanges after steps 1, 5, 9, fragment 1 after 3
+    and 7, both after the last; the wire counts each fragment's exchanges."""
+    cfg = RunConfig(local_steps=4, fragments=2)
+    turns = {f: [s for s in range(12) if exchanges_after(cfg, s, 12, fragment=f)] for f in (0, 1)}
+    assert turns == {0: [1, 5, 9, 11], 1: [3, 7, 11]}
+    assert [s for s in range(12) if exchanges_after(cfg, s, 12)] == [1, 3, 5, 7, 9, 11]
+    assert [exchange_of(cfg, s, fragment=0) for s in (0, 1, 2, 5, 6, 10)] == [0, 0, 1, 1, 2, 3]
+    assert [exchange_of(cfg, s, fragment=1) for s in (0, 3, 4, 7, 8)] == [0, 0, 1, 1, 2]
+    assert [exchanges_done(cfg, s, 12, fragment=1) for s in (2, 3, 4, 7, 11)] == [-1, 0, 0, 1, 2]
+    assert [exchanges_done(cfg, s, 12, fragment=0) for s in (0, 1, 4, 11)] == [-1, 0, 0, 3]
+
+
+def test_fragments_are_runs_of_consecutive_layers_of_about_equal_size():
+    sizes = [10, 20, 5, 30, 15, 10, 10]  # middles at 5, 20, 32.5 | 50 | 72.5, 85, 95
+    layers = [Layer(i, f"l{i}", (n,), (f"l{i}.w",), 0) for i, n in enumerate(sizes)]
+    plan = fragment_of(layers, 3)
+    assert list(plan.values()) == sorted(plan.values()) == [0, 0, 0, 1, 2, 2, 2]
+    assert fragment_of(layers, 1) == dict.fromkeys(range(7), 0)
+
+
+def _gap(models: dict, ours: str, theirs: str) -> float:
+    return max(float((models[ours][k] - models[theirs][k]).abs().max()) for k in models[ours])
+
+
+def test_fragments_with_one_worker_run_plain_local_sgd(tmp_path):
+    """One worker, outer SGD at lr 1: whatever fragment exchanges when, waiting or overlapped,
+    the servers' result is the worker's own parameters and the run is plain SGD. A fragment's
+    reply taken onto the wrong layers, counted twice, or a checkpoint's theta lost would move
+    it. With two workers the staggered exchanges do train differently from the whole model's."""
+    base = [*BASE, "--topology", "ps", "--momentum", "0", "--local-steps", "4", *ONE_STEP_IS_A_STEP[2:]]
+    base += ["--checkpoint-every-steps", "4"]  # the checkpoint takes the replies in flight
+    runs = {
+        "per-step": [*BASE, "--momentum", "0"],
+        "fragments": [*base, "--fragments", "2"],
+        "fragments-overlap": [*base, "--fragments", "4", "--overlap-exchange"],
+        "fragments-overlap-by-1": [*base, "--fragments", "2", "--overlap-exchange", "--overlap-steps", "1"],
+    }
+    out = train_runs(tmp_path, runs, n=2, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in runs}
+    for name in runs:
+        assert _gap(models, name, "per-step") < 1e-5, name
+    two = {"whole": [*BASE, "--local-steps", "4"], "halves": [*BASE, "--local-steps", "4", "--fragments", "2"]}
+    out = train_runs(tmp_path, two, n=3, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    models = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in two}
+    assert _gap(models, "halves", "whole") > 1e-4
+
+
+def test_a_fragment_moves_its_share_of_the_bytes(tmp_path):
+    """WRN-10-1, H = 4, two workers: the whole model's exchange after step 3 against two
+    fragments taking turns after steps 1 and 3 (overlapped, replies taken 2 steps later): each
+    turn sends about half the bytes, together the whole, and each reply arrives 2 steps late."""
+    wrn = ["--model", "wrn", "--depth", "10", "--widen-factor", "1", "--batch-size", "8", "--synthetic-size", "64"]
+    base = [*BASE, *wrn, "--steps", "8", "--local-steps", "4", "--codec", "qsgd:levels=16", "--feedback", "ef"]
+    overlap = ["--overlap-exchange", "--overlap-steps", "2"]
+    runs = {"whole": [*base, *overlap], "halves": [*base, *overlap, "--fragments", "2"]}
+    out = train_runs(tmp_path, runs, n=3, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    up = {name: {int(r["step"]): int(r["bytes_up"]) for r in metrics_rows(tmp_path / name)} for name in runs}
+    assert [s for s, b in up["halves"].items() if b] == [1, 3, 5, 7]
+    assert [s for s, b in up["whole"].items() if b] == [3, 7]
+    for turn in (1, 3):
+        assert 0.3 < up["halves"][turn] / up["whole"][3] < 0.7, up
+    assert abs(up["halves"][1] + up["halves"][3] - up["whole"][3]) < 0.02 * up["whole"][3], up
+    down = [int(r["step"]) for r in metrics_rows(tmp_path / "halves") if int(r["bytes_down"]) > 0]
+    assert down == [0, 3, 5, 7], down
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -150,6 +221,8 @@ def test_exchanges_are_counted_on_the_wire_not_batches():
         ({"outer_momentum": 0.0}, "needs --outer-momentum > 0"),
         ({"optimizer": "adam"}, "--optimizer has no part"),
         ({"overlap_exchange": True, "overlap_steps": 5}, "at most --local-steps 4 steps later"),
+        ({"fragments": 3}, "must divide --local-steps 4"),
+        ({"fragments": 2, "codec": "powersgd:rank=2", "feedback": "none"}, "use a one-round codec"),
     ],
 )
 def test_settings_that_cannot_take_local_steps_say_why(settings, message):

@@ -237,6 +237,11 @@ RESUME = {  # name: the config's options, and how many ranks train (each checks 
     "colocated-local-powersgd": (("topology=colocated", "local_steps=4", *POWERSGD), 3),
     # overlapped: the exchange after step 1 and 5 runs on into the next steps; 3 and 7 wait
     "ps-local-overlap": (("local_steps=2", "overlap_exchange=1", "codec=qsgd:levels=16"), 2),
+    # fragments: the checkpoint after step 3 takes fragment 0's reply early and keeps its theta
+    "colocated-local-fragments": (
+        ("topology=colocated", "local_steps=4", "fragments=2", "overlap_exchange=1", "codec=qsgd:levels=16"),
+        3,
+    ),
 }
 
 

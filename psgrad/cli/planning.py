@@ -113,6 +113,13 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     help="With --overlap-exchange: the steps the exchange has to arrive in (psgrad train --overlap-steps); 0: H.",
 )
 @click.option(
+    "--fragments",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --local-steps H: fragments of the model that exchange in turn, one every H/F steps (psgrad train --fragments).",
+)
+@click.option(
     "--code-gbps",
     type=float,
     default=None,
@@ -146,6 +153,7 @@ def plan(
     local_steps: int,
     overlap_exchange: bool,
     overlap_steps: int,
+    fragments: int,
     code_gbps: float | None,
     fan_in_efficiency: float,
 ) -> None:
@@ -155,7 +163,7 @@ def plan(
     from ..plan import plan as predict
 
     _check(codecs=(codec, down_codec), local_steps=local_steps, servers=servers, overlap_exchange=overlap_exchange,
-           overlap_steps=overlap_steps, step_ms=step_ms, matrices=matrices)  # fmt: skip
+           overlap_steps=overlap_steps, fragments=fragments, step_ms=step_ms, matrices=matrices)  # fmt: skip
     shapes, step_ms = _shapes_and_step(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
@@ -164,6 +172,7 @@ def plan(
     click.echo(
         f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
         f"step, RTT {rtt_ms:g} ms (modelled), local steps {local_steps}"
+        + (f" in {fragments} fragments" if fragments > 1 else "")
         + (f" overlapped by {overlap_steps or local_steps}" if overlap_exchange else "")
         + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
     )
@@ -175,7 +184,7 @@ def plan(
                     shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
                     servers=servers, bandwidth_bps=rate, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
                     local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
-                    code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
+                    fragments=fragments, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
                 )
             )  # fmt: skip
             click.echo(
@@ -191,6 +200,7 @@ def _check(
     servers: int,
     overlap_exchange: bool,
     overlap_steps: int,
+    fragments: int,
     step_ms: float | None,
     matrices: str | None,
 ) -> None:
@@ -208,6 +218,8 @@ def _check(
         raise click.UsageError("--overlap-steps shapes --overlap-exchange: give --overlap-exchange")
     if overlap_steps > local_steps:
         raise click.UsageError(f"--overlap-steps {overlap_steps}: at most --local-steps {local_steps}")
+    if local_steps % fragments:
+        raise click.UsageError(f"--fragments {fragments} must divide --local-steps {local_steps}")
     if step_ms is None and matrices is not None:
         raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
 

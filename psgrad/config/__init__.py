@@ -107,6 +107,17 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
             f"at most --local-steps {h} steps later",
         )
         _need(
+            h % self.fragments == 0,
+            f"--fragments {self.fragments} must divide --local-steps {h}: a fragment exchanges every H/F steps",
+        )
+        if self.fragments > 1:
+            from ..codecs import make_codec  # torch: not needed to build the command line
+
+            _need(
+                not make_codec(self.codec).multi_round,
+                f"--fragments: {self.codec}'s rounds answer the whole model's exchange; use a one-round codec",
+            )
+        _need(
             self.checkpoint_every_steps % h == 0,
             f"--checkpoint-every-steps {self.checkpoint_every_steps} must be a multiple of --local-steps {h}: "
             "a checkpoint is taken right after an exchange",

@@ -188,6 +188,13 @@ class TrainingSettings:
         ),
         help="With --overlap-exchange: take the servers' result this many steps after the exchange (waiting there if it has not arrived) instead of at the next exchange. Fewer steps start the workers from a less stale point; a slow link needs enough steps of compute to hide the exchange. 0: at the next exchange, H steps later.",
     )
+    fragments: int = setting(
+        1,
+        section=TRAINING,
+        low=1,
+        unused=(_local_steps_only("--fragments"),),
+        help="With --local-steps H: split the model into this many fragments of consecutive layers (balanced by size) that exchange at staggered steps, one every H/F steps, each still every H steps (Streaming DiLoCo). The link carries a fragment's bytes at a time instead of the whole model's; with --overlap-exchange each fragment's reply is taken --overlap-steps after its own exchange. 1: the whole model at once.",
+    )
     amp: str = setting(
         "off",
         section=TRAINING,

@@ -23,7 +23,6 @@ import torch
 from ..comm.protocol import load_buffers_vector
 from ..comm.waiting import Patience
 from ..context import Role, RunContext
-from .local import exchange_of, exchanges_done
 from .serving import SERVERS, ServingThread
 from .worker import Worker
 
@@ -44,7 +43,7 @@ class ColocatedRole(Role):
 
     def start(self) -> None:
         self.server.start()
-        self.worker.post_pulls(exchange_of(self.ctx.cfg, self.ctx.start))
+        self.worker.post_start_pulls()
         if self.thread:
             self.thread.start()
 
@@ -58,9 +57,8 @@ class ColocatedRole(Role):
             return self.server.take_rows()
 
     def _serve_until_done(self, step: int) -> None:
-        exchange = exchanges_done(self.ctx.cfg, step, self.ctx.total)  # the step, without --local-steps
         with self.server.lock:
-            self.server.serve_until(lambda: self.server.has_completed(exchange), Patience())
+            self.server.serve_until(lambda: self.server.has_done(step), Patience())
 
     def evaluate(self, step: int) -> None:
         """Like separate servers: the servers' values after ``step`` (not a worker's copy, which a

@@ -13,7 +13,6 @@ import torch
 
 from ..comm.protocol import load_buffers_vector
 from ..context import Role, RunContext
-from .local import exchange_of, exchanges_done
 from .serving import SERVERS
 from .worker import Worker
 
@@ -33,8 +32,7 @@ class ServerRole(Role):
         self.server.start()
 
     def step(self, step: int) -> list[dict]:
-        exchange = exchanges_done(self.ctx.cfg, step, self.ctx.total)  # the step, without --local-steps
-        self.server.serve_until(lambda: self.server.has_completed(exchange))
+        self.server.serve_until(lambda: self.server.has_done(step))
         return self.server.take_rows()
 
     def evaluate(self, step: int) -> None:
@@ -79,7 +77,7 @@ class WorkerRole(Role):
         return self.worker.doing
 
     def start(self) -> None:
-        self.worker.post_pulls(exchange_of(self.ctx.cfg, self.ctx.start))
+        self.worker.post_start_pulls()
 
     def step(self, step: int) -> list[dict]:
         self.worker.run_step(step)

@@ -64,7 +64,7 @@ from ..comm.waiting import SERVER_PATIENCE, Patience
 from ..context import RunContext
 from ..optim import learning_rate, update_lr
 from .collector import Collector
-from .local import exchange_of
+from .local import exchange_of, exchanges_done, fragment_of
 
 _CONTROL_BYTES = 4096
 VALUES_LAYER = "__values__"
@@ -110,8 +110,12 @@ class ServerBase:
                     self.shadow[(layer.index, w)] = self.values[layer.index].clone()
         # value - shadow of each layer is formed here, not in a fresh allocation every step
         self.scratch = {i: torch.empty(v.numel()) for (i, _), v in self.shadow.items()}
-        first = exchange_of(ctx.cfg, ctx.start)  # the step itself, unless --local-steps counts exchanges
-        self.layer_step = {layer.index: first for layer in self.owned}
+        # the step itself, unless --local-steps counts exchanges (each fragment its own)
+        self.fragment = fragment_of(ctx.layers, ctx.cfg.fragments)
+        first = exchange_of(ctx.cfg, ctx.start)
+        self.layer_step = {
+            layer.index: exchange_of(ctx.cfg, ctx.start, fragment=self.fragment[layer.index]) for layer in self.owned
+        }
         self.active = set(self.workers)
         self.pending: dict[object, Handle] = {}
         self.sends: list[Handle] = []
@@ -342,6 +346,17 @@ class ServerBase:
     def has_completed(self, step: int) -> bool:
         """Whether every layer this rank owns was updated with ``step``'s gradients."""
         return not self.owned or self.completed_step >= step
+
+    def has_done(self, step: int) -> bool:
+        """Whether every layer this rank owns took the exchanges due by the end of ``step``: its
+        gradients, or with --local-steps every exchange so far of the layer's fragment."""
+        if self.cfg.fragments == 1:
+            return self.has_completed(exchanges_done(self.cfg, step, self.ctx.total))
+        return all(
+            self.layer_step[layer.index]
+            > exchanges_done(self.cfg, step, self.ctx.total, fragment=self.fragment[layer.index])
+            for layer in self.owned
+        )
 
     def wait_for_evaluation(self, step: int, patience: Patience = SERVER_PATIENCE) -> torch.Tensor:
         """On the metrics rank: serve until every worker's BatchNorm buffers of ``step`` and every

@@ -100,6 +100,7 @@ class Worker(Rounds, LocalSteps):
         self.pulls: dict[int, Handle | None] = {}  # None: the reply comes from the local server
         self.parse_seconds = 0.0  # the last reply's wire.loads: decoding, not waiting
         self.pull_step = 0
+        self.pull_steps: dict[int, int] = {}  # layer index -> the step its posted receive is for
         self.sends: list[Handle] = []
         self.sent: set[int] = set()
         self.step = 0
@@ -143,10 +144,12 @@ class Worker(Rounds, LocalSteps):
         return self.advance_rounds() or served
 
     # ------------------------------------------------------------------ pull
-    def post_pulls(self, step: int) -> None:
-        """Post receives for the parameters the servers will send for ``step``."""
+    def post_pulls(self, step: int, *, layers: list[Layer] | None = None) -> None:
+        """Post receives for the parameters the servers will send for ``step`` (of ``layers``;
+        None: every layer)."""
         self.pull_step = step
-        for layer in self.layers:
+        for layer in self.layers if layers is None else layers:
+            self.pull_steps[layer.index] = step
             if self._is_local(layer.owner):
                 self.pulls[layer.index] = None
             else:
@@ -200,7 +203,10 @@ class Worker(Rounds, LocalSteps):
         if index not in self.pulls:
             return
         layer = self.layers[index]
-        doing, self.doing = self.doing, f"step {self.pull_step}: waiting for {layer.name!r} from rank {layer.owner}"
+        doing, self.doing = (
+            self.doing,
+            f"step {self.pull_steps[index]}: waiting for {layer.name!r} from rank {layer.owner}",
+        )
         start = time.perf_counter()
         while index in self.awaiting:  # earlier rounds first: the last reply needs them
             self.advance_rounds(only=index)
@@ -214,7 +220,7 @@ class Worker(Rounds, LocalSteps):
         self._apply_pull(layer, msg, start)
 
     def _check_reply(self, layer: Layer, msg: Message, kinds: tuple[str, ...], round_: int = 0) -> None:
-        Envelope(kinds[0], layer.name, self.pull_step, layer.owner, round_).check(msg, kinds=kinds)
+        Envelope(kinds[0], layer.name, self.pull_steps[layer.index], layer.owner, round_).check(msg, kinds=kinds)
 
     def _apply_pull(self, layer: Layer, msg: Message, start: float) -> None:
         if msg.kind == "code":
@@ -233,6 +239,13 @@ class Worker(Rounds, LocalSteps):
     def finish_pulls(self) -> None:
         for index in list(self.pulls):
             self.finish_pull(index)
+
+    def post_start_pulls(self) -> None:
+        """The receives of the values the run starts from (``ctx.start``: 0, or a resumed step)."""
+        if self.cfg.local_steps:
+            self.post_first_pulls(self.ctx.start)
+        else:
+            self.post_pulls(self.ctx.start)
 
     # ------------------------------------------------------------------ push
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
