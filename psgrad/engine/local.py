@@ -117,11 +117,13 @@ class LocalSteps:
         self.due: dict[int, int] = {}  # overlapped: fragment -> the step at whose end its reply is taken (step 5)
         self.resumed: dict[str, torch.Tensor] | None = None  # fragments: theta where a checkpoint left it
 
-    def post_first_pulls(self, start: int) -> None:
-        """The receives of the servers' values the run starts from: each fragment's at its own
-        exchange count (a resumed run's fragments have exchanged different numbers of times)."""
+    def post_start_pulls(self) -> None:
+        """The receives of the values the run starts from, at ``ctx.start`` (0, or a resumed step):
+        with local steps each fragment's at its own exchange count."""
+        if not self.cfg.local_steps:
+            return self.post_pulls(self.ctx.start)
         for f, layers in enumerate(self.fragment_layers):
-            self.post_pulls(exchange_of(self.cfg, start, fragment=f), layers=layers)
+            self.post_pulls(exchange_of(self.cfg, self.ctx.start, fragment=f), layers=layers)
 
     def local_train_step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """Steps 1-3 (and 4-6) of the module for one batch."""

@@ -11,12 +11,12 @@ Sync mode (``SyncServer``), per layer l owned by this rank:
    once, encoded once — layers go back in the order they complete. A server that only sums
    (``ctx.sums``: the workers run their own optimizer, psgrad.userloop) sends the mean gradient
    instead (``mean``), coded with --down-codec inside error feedback on the server, and keeps no
-   values. With ``--down-codec none`` the
-   message is l's new value (``params``). With any other down-codec it is the encoded change
-   since what the workers hold (``delta``): the server keeps a copy of the workers' l (the
-   shadow), encodes value - shadow and adds the decoded message to the shadow, so what the codec
-   dropped is sent in later steps (error feedback on the down-link) and never lost. A layer that
-   is not compressed (the bucket of 1-D parameters) always goes back as its value.
+   values. With ``--down-codec none`` the message is l's new value (``params``). With any other
+   down-codec it is the encoded change since what the workers hold (``delta``): the server keeps
+   a copy of the workers' l (the shadow), encodes value - shadow and adds the decoded message to
+   the shadow, so what the codec dropped is sent in later steps (error feedback on the
+   down-link) and never lost. A layer that is not compressed (the bucket of 1-D parameters)
+   always goes back as its value.
 4. At start every worker gets the shadow exactly (``params``, uncompressed): fresh or resumed,
    workers and shadow agree from the first step on.
 5. A codec of several rounds (PowerSGD) sums each round's messages in code space, in worker
@@ -34,6 +34,7 @@ the metrics rank at an evaluation step (``send_values``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -112,17 +113,15 @@ class ServerBase:
         self.scratch = {i: torch.empty(v.numel()) for (i, _), v in self.shadow.items()}
         # the step itself, unless --local-steps counts exchanges (each fragment its own)
         self.fragment = fragment_of(ctx.layers, ctx.cfg.fragments)
-        first = exchange_of(ctx.cfg, ctx.start)
-        self.layer_step = {
-            layer.index: exchange_of(ctx.cfg, ctx.start, fragment=self.fragment[layer.index]) for layer in self.owned
-        }
+        count = functools.partial(exchange_of, ctx.cfg, ctx.start)
+        self.layer_step = {x.index: count(fragment=self.fragment[x.index]) for x in self.owned}
         self.active = set(self.workers)
         self.pending: dict[object, Handle] = {}
         self.sends: list[Handle] = []
         feedback = ctx.make_feedback()
         self.bounds = {layer.index: upload_bound(feedback, layer) for layer in self.owned}
         self.buffers_size = ctx.buffers_size
-        self.completed_step = first - 1
+        self.completed_step = exchange_of(ctx.cfg, ctx.start) - 1
         self._phase: str | None = "starting"
         self.times = {"decode": 0.0, "apply": 0.0, "idle": 0.0}
         # what a worker on this rank gets back (colocated): layer index -> the reply message
@@ -343,20 +342,13 @@ class ServerBase:
         """The schedule's LR at ``step``: the metrics rows' (with --local-steps, the workers')."""
         return learning_rate(self.cfg, step, self.ctx.steps_per_epoch, self.num_workers)
 
-    def has_completed(self, step: int) -> bool:
-        """Whether every layer this rank owns was updated with ``step``'s gradients."""
-        return not self.owned or self.completed_step >= step
-
     def has_done(self, step: int) -> bool:
         """Whether every layer this rank owns took the exchanges due by the end of ``step``: its
-        gradients, or with --local-steps every exchange so far of the layer's fragment."""
+        gradients of ``step``, or with --local-steps its fragment's exchanges so far."""
+        done = functools.partial(exchanges_done, self.cfg, step, self.ctx.total)
         if self.cfg.fragments == 1:
-            return self.has_completed(exchanges_done(self.cfg, step, self.ctx.total))
-        return all(
-            self.layer_step[layer.index]
-            > exchanges_done(self.cfg, step, self.ctx.total, fragment=self.fragment[layer.index])
-            for layer in self.owned
-        )
+            return not self.owned or self.completed_step >= done()
+        return all(self.layer_step[i] > done(fragment=self.fragment[i]) for i in self.layer_step)
 
     def wait_for_evaluation(self, step: int, patience: Patience = SERVER_PATIENCE) -> torch.Tensor:
         """On the metrics rank: serve until every worker's BatchNorm buffers of ``step`` and every

@@ -240,13 +240,6 @@ class Worker(Rounds, LocalSteps):
         for index in list(self.pulls):
             self.finish_pull(index)
 
-    def post_start_pulls(self) -> None:
-        """The receives of the values the run starts from (``ctx.start``: 0, or a resumed step)."""
-        if self.cfg.local_steps:
-            self.post_first_pulls(self.ctx.start)
-        else:
-            self.post_pulls(self.ctx.start)
-
     # ------------------------------------------------------------------ push
     def push(self, layer: Layer, grad: torch.Tensor) -> None:
         """Encode ``grad`` of ``layer`` (feedback -> codec) and send it to its server."""
