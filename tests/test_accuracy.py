@@ -137,5 +137,8 @@ def test_local_steps_are_measured_apart_from_the_per_step_codecs():
     assert "0.98x" in accuracy_note(RunConfig(local_steps=32, outer_momentum=0.9))
     assert "0.96x" in accuracy_note(RunConfig(local_steps=32, overlap_exchange=True))
     assert "0.81x" in accuracy_note(RunConfig(local_steps=32, overlap_exchange=True, outer_momentum=0.9))
+    streamed = replace(q64_down, overlap_exchange=True, overlap_steps=8)
+    assert "0.98x" in accuracy_note(replace(streamed, fragments=4))
+    assert "was never measured" in accuracy_note(replace(streamed, fragments=2))
     unmeasured = accuracy_note(RunConfig(local_steps=16, codec="qsgd:levels=16"))
     assert unmeasured is not None and "was never measured" in unmeasured
