@@ -345,9 +345,9 @@ class ServerBase:
     def has_done(self, step: int) -> bool:
         """Whether every layer this rank owns took the exchanges due by the end of ``step``: its
         gradients of ``step``, or with --local-steps its fragment's exchanges so far."""
+        if self.cfg.fragments == 1:  # one count for every layer: the step, or the exchange
+            return not self.owned or self.completed_step >= exchanges_done(self.cfg, step, self.ctx.total)
         done = functools.partial(exchanges_done, self.cfg, step, self.ctx.total)
-        if self.cfg.fragments == 1:
-            return not self.owned or self.completed_step >= done()
         return all(self.layer_step[i] > done(fragment=self.fragment[i]) for i in self.layer_step)
 
     def wait_for_evaluation(self, step: int, patience: Patience = SERVER_PATIENCE) -> torch.Tensor:
