@@ -328,6 +328,18 @@ def test_a_slow_rank_on_its_way_out_is_not_killed_by_the_first_to_leave(tmp_path
     assert marker.read_text() == "left\n"
 
 
+def test_a_clean_end_waits_for_every_watchdog():
+    """The ranks that finish first wait in ``Watchdog.stop`` for the last (rank 0, 1.5 s later):
+    had they exited, rank 0's thread could send a heartbeat to a process that has gone, and that
+    MPI send never returns (a 1 Mbit/s run hung so after its last step)."""
+    proc = run_script("watchdog_end.py", timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    took = dict(re.findall(r"rank (\d+) stop ([0-9.]+)", proc.stdout))
+    assert sorted(took) == ["0", "1", "2"], proc.stdout
+    assert float(took["0"]) < 1.0
+    assert all(float(took[rank]) > 1.0 for rank in ("1", "2")), took
+
+
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):

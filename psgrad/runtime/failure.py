@@ -55,7 +55,7 @@ def end_on_failure(
     if getattr(err, "reported_elsewhere", False):
         return
     if isinstance(err, AgreementError):
-        watchdog.stop()
+        watchdog.stop(together=False)
         return
     if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
         reason, status = stop_reason(err)

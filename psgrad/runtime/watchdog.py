@@ -13,7 +13,8 @@ A helper thread on every rank, on its own duplicate communicator:
 4. The timeout: ``--timeout`` seconds, or by default ``max(FLOOR, FACTOR x the slowest step seen
    on any rank)``, so a model whose steps take minutes is not cut off, and a hang on a fast model
    ends within about a minute.
-5. On a clean end each rank says goodbye, and is watched no longer.
+5. On a clean end each rank says goodbye, and is watched no longer; the ranks then wait for one
+   another, so no rank exits while a peer's thread may still send it a heartbeat.
 6. A rank that dies outright takes the job down with it at once (the launcher's cleanup), faster
    than any heartbeat: its sentinel process names it (runtime/sentinel.py).
 """
@@ -115,8 +116,13 @@ class Watchdog:
         if self.sentinel is not None:
             self.sentinel.at_step(step)
 
-    def stop(self) -> None:
-        """Say goodbye (peers stop watching this rank), then end the thread."""
+    def stop(self, *, together: bool = True) -> None:
+        """Say goodbye (peers stop watching this rank), end the thread, and with ``together``
+        (every rank stops: a run's clean end) wait until every rank's thread has ended.
+
+        Waiting for the others matters on slow links: a rank that left at once could exit while a
+        peer's thread, not yet past that rank's goodbye, sent it a heartbeat, and an MPI send to
+        a process that has gone never returns (a 1 Mbit/s run's rank 0, evaluating last, hung so)."""
         if self.sentinel is not None:
             self.sentinel.bye()
         if self.comm is None:
@@ -130,6 +136,8 @@ class Watchdog:
         while self._sends and time.monotonic() < deadline:
             self._sends = self.comm.progress(self._sends)
             time.sleep(0.001)
+        if together:
+            self.comm.barrier()  # no thread sends any more heartbeats once every rank is here
         self.comm.free()
         self.comm = None
 
