@@ -275,6 +275,24 @@ def test_the_rate_of_a_row_that_evaluates_leaves_the_pauses_out():
     )
 
 
+def test_the_runs_last_step_which_settles_every_exchange_is_not_timed(monkeypatch):
+    """The run's last step completes every exchange in flight: with overlapped local steps it
+    waits for a whole exchange (16 s of a 1 Mbit/s run's 80) that the steady state hides, and
+    counting it put such rows 20 % below their pace. A row runs one step more than it times."""
+    from psgrad.bench import launcher
+    from psgrad.config import RunConfig
+    from psgrad.train import RunResult
+
+    def run(cfg, **kw):
+        # a step a second, and the last one 50 s long
+        rows = [{"step": s, "wall": s + 1.0 + (50.0 if s == cfg.steps - 1 else 0.0)} for s in range(cfg.steps)]
+        return RunResult("worker", 0, cfg.steps, rows=rows)
+
+    monkeypatch.setattr("psgrad.train.run", run)
+    timed = launcher.run_item("none", RunConfig(), steps=8, warmup=2)
+    assert timed["it_per_s"] == pytest.approx(1.0)
+
+
 def test_bench_runs_keep_every_metrics_row(monkeypatch):
     """psgrad bench's time to accuracy reads a run's rows in memory: a run of more steps than a
     run keeps (2,000) gave the seconds of a later step (rows[s] was not step s). Bench runs keep

@@ -11,8 +11,10 @@ Two ways to run it:
 
 The figures, either way:
 
-1. ``steps`` measured steps per run after ``warmup`` excluded ones; it/s is the wall-clock rate
-   between the first and last measured step.
+1. ``steps`` measured steps per run after ``warmup`` excluded ones and before ``TAIL_STEPS``
+   more; it/s is the wall-clock rate between the first and last measured step. The run's last
+   step is left out because it completes every exchange still in flight: with overlapped local
+   steps it waits for a whole exchange that the steady state hides (16 s of a 1 Mbit/s run's 80).
 2. With ``repeat`` R the items run in R interleaved rounds (none, a, b, none, a, b, ...) so drift
    of a shared machine hits all of them alike; the median and half the spread are reported.
 3. Speed-up and compression ratio are against the ``none`` codec of the same invocation. Speed-up
@@ -57,6 +59,10 @@ class BenchError(RuntimeError):
 def launched_by_mpi() -> bool:
     """True inside an mpiexec/mpirun/srun-started process (checked without initialising MPI)."""
     return any(key in os.environ for key in _MPI_ENV)
+
+
+TAIL_STEPS = 1
+"""Steps run after the measured ones and left out of the figures (module docstring, 1)."""
 
 
 def measure(rows: list[dict], warmup: int, evals: list[dict] = ()) -> dict:
@@ -158,32 +164,35 @@ def run_item(
     its time to that test accuracy (``to_target``).
     """
     head, cfg = item_config(item, cfg)
+    measured = steps + warmup
+    total = measured + TAIL_STEPS
     if item_api(item)[1] == "optimizer":
         if target:
             raise BenchError(f"{item!r}: --api optimizer measures steps a second, not time to accuracy")
         from .ownloop import own_loop_rows
 
-        rows = own_loop_rows(replace(cfg, progress=False, log_dir=None), steps=steps + warmup)
-        return measure(rows, warmup) if rows is not None else None
+        rows = own_loop_rows(replace(cfg, progress=False, log_dir=None), steps=total)
+        return measure(rows[:measured], warmup) if rows is not None else None
     if head in BASELINES:
         from .baselines import run_baseline
 
         rows, evals = run_baseline(
             head,
-            replace(cfg, steps=steps + warmup, eval_every_steps=cfg.eval_every_steps if target else 0),
-            steps + warmup,
+            replace(cfg, steps=total, eval_every_steps=cfg.eval_every_steps if target else 0),
+            total,
             powersgd_rank,
         )
         if not rows:
             return None
-        return measure(rows, warmup, evals) | (to_target(rows, evals, target) if target and head != "compute" else {})
+        timed = measure(rows[:measured], warmup, evals)
+        return timed | (to_target(rows, evals, target) if target and head != "compute" else {})
     from ..train import run
 
     eval_every_steps = cfg.eval_every_steps if target else 0
     # evaluation in the foreground: to_target then takes exactly its time out of the clock
     bench_cfg = replace(
         cfg,
-        steps=steps + warmup,
+        steps=total,
         consensus_every_steps=0,  # a gossip run's consensus distance is an allreduce of the model: not timed
         eval_every_epochs=0,
         eval_every_steps=eval_every_steps,
@@ -194,7 +203,8 @@ def run_item(
     result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
     if result.rank != 0:
         return None
-    return measure(result.rows, warmup, result.evals) | (to_target(result.rows, result.evals, target) if target else {})
+    timed = measure(result.rows[:measured], warmup, result.evals)
+    return timed | (to_target(result.rows, result.evals, target) if target else {})
 
 
 def run_in_mpi(

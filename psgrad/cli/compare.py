@@ -66,7 +66,11 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "ddp-powersgd (DDP with the PowerSGD hook). Needs the launcher mode (no mpiexec).",
 )
 @click.option(
-    "--warmup-steps", "warmup", type=click.IntRange(min=0), default=3, help="Steps per run excluded from the figures."
+    "--warmup-steps",
+    "warmup",
+    type=click.IntRange(min=0),
+    default=3,
+    help="Steps per run excluded from the figures (the run's last step, which completes every exchange in flight, is too).",
 )
 @click.option(
     "--repeat",
