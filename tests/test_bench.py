@@ -2,7 +2,7 @@ import json
 import sys
 
 import pytest
-from conftest import interrupt_when, mpiexec, run_bounded, run_mpi
+from conftest import interrupt_when, metrics_rows, mpiexec, run_bounded, run_mpi
 
 from psgrad.bench import hidden_share, summarize
 from psgrad.models import build_model
@@ -24,10 +24,13 @@ def test_bench_inside_one_mpi_job(tmp_path):
     args = [*SMALL, "--steps", "4", "--warmup-steps", "1", "--repeat", "2"]
     proc = run_mpi(
         [sys.executable, "-m", "psgrad", "bench", *args, "--codecs", "none;topk:ratio=0.01"]
-        + ["--json", str(out), "--plot", str(png)],
+        + ["--json", str(out), "--plot", str(png), "--log-dir", str(tmp_path / "logs")],
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert kept == ["01-r1-none", "02-r1-topk:ratio=0.01", "03-r2-none", "04-r2-topk:ratio=0.01"]
+    assert all(len(metrics_rows(tmp_path / "logs" / name)) == 6 for name in kept)
     assert "speedup" in proc.stdout and "topk:ratio=0.01" in proc.stdout
     rows = json.loads(out.read_text())
     assert [r["codec"] for r in rows] == ["none", "topk:ratio=0.01"]
@@ -42,8 +45,18 @@ def test_bench_launcher_with_baselines(tmp_path):
     out = tmp_path / "bench.json"
     a2a = "sign --feedback ef --topology alltoall"  # a row without a server: 2 ranks
     args = [*SMALL, "--steps", "4", "--warmup-steps", "2", "--codecs", f"none;qsgd:levels=4;{a2a}"]
-    proc = _launcher([*args, "--baselines", "compute,ddp,ddp-powersgd", "--json", str(out)])
+    logs = tmp_path / "logs"
+    proc = _launcher([*args, "--baselines", "compute,ddp,ddp-powersgd", "--json", str(out), "--log-dir", str(logs)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # every job's output, and each psgrad row's per-step metrics: 2 warm-up, 4 timed and the last step
+    kept = sorted(p.name for p in logs.iterdir())
+    assert kept == ["01-r1-none", "02-r1-qsgd:levels=4", "03-r1-sign_--feedback_ef_--topology_alltoall"] + [
+        f"0{i}-r1-{name}" for i, name in ((4, "compute"), (5, "ddp"), (6, "ddp-powersgd"))
+    ]
+    for name in kept[:3]:
+        assert "[psgrad] done: 7 steps" in (logs / name / "job.log").read_text(), name
+        assert len(metrics_rows(logs / name)) == 7, name
+    assert (logs / kept[3] / "job.log").exists() and not (logs / kept[3] / "metrics.csv").exists()
     rows = {r["codec"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["none", "qsgd:levels=4", a2a, "compute", "ddp", "ddp-powersgd"]
     assert rows[a2a]["it_per_s"] > 0 and rows[a2a]["compression"] > 10 and "on 2 rank(s)" in proc.stderr
@@ -146,14 +159,14 @@ def test_baselines_need_the_launcher():
     ids=["openmpi5-root", "openmpi4-root-some-given", "openmpi-user", "mpich-root"],
 )
 def test_open_mpi_as_root_gets_its_root_flags(tmp_path, monkeypatch, banner, uid, given, expected):
-    from psgrad.bench import launcher
+    from psgrad.bench import jobs
 
     fake = tmp_path / "mpiexec"
     fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(launcher.os, "geteuid", lambda: uid)
-    assert launcher.launcher_args(str(fake), given) == expected
-    assert not launcher.is_open_mpi(str(tmp_path / "missing"))
+    monkeypatch.setattr(jobs.os, "geteuid", lambda: uid)
+    assert jobs.launcher_args(str(fake), given) == expected
+    assert not jobs.is_open_mpi(str(tmp_path / "missing"))
 
 
 def test_bad_bench_options(tmp_path):
@@ -161,6 +174,8 @@ def test_bad_bench_options(tmp_path):
     for option in ("--json", "--plot"):  # refused before minutes of measuring, not after
         proc = _launcher([option, str(tmp_path / "a-file" / "out")])
         assert proc.returncode == 2 and "a-file is a file, not a folder" in proc.stderr, proc.stderr[-2000:]
+    proc = _launcher(["--log-dir", str(tmp_path)])  # rows would write into another run's logs
+    assert proc.returncode == 2 and "is not empty" in proc.stderr, proc.stderr[-2000:]
     proc = _launcher(["--baselines", "horovod"])
     assert proc.returncode == 2 and "unknown baseline" in proc.stderr
     proc = _launcher(["--bandwidth", "fast"])

@@ -31,10 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,14 +43,10 @@ from ..options import option_overrides, refuse_unused
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
 from .baselines import BASELINES
-from .netshape import mpiexec_banner
-from .results import BREAKDOWN, NAN
+from .jobs import BenchError, launcher_args, row_log_dir, run_job
+from .results import BREAKDOWN, NAN, target_note
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
-
-
-class BenchError(RuntimeError):
-    """A bench job failed or overran; the message carries its output."""
 
 
 def launched_by_mpi() -> bool:
@@ -198,7 +191,6 @@ def run_item(
         eval_every_steps=eval_every_steps,
         eval_background=False,
         progress=False,
-        log_dir=None,
     )
     result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
     if result.rank != 0:
@@ -215,76 +207,16 @@ def run_in_mpi(
     if ours:  # psgrad.init joins a job once per process
         raise BenchError(f"{ours[0]!r}: --api optimizer rows need jobs of their own: run psgrad bench without mpiexec")
     results: dict[str, list[dict]] = {s: [] for s in specs}
-    for _ in range(repeat):
-        for spec in specs:
-            m = run_item(spec, cfg, steps=steps, warmup=warmup, target=target)
+    for round_ in range(repeat):
+        for index, spec in enumerate(specs):
+            logs = replace(cfg, log_dir=row_log_dir(cfg.log_dir, round_ * len(specs) + index + 1, round_, spec))
+            m = run_item(spec, logs, steps=steps, warmup=warmup, target=target)
             if m is not None:
                 results[spec].append(m)
     return results
 
 
 # ---------------------------------------------------------------------- the launcher
-def find_mpiexec(given: str | None) -> str:
-    """``given``, else the mpiexec beside this Python (the pip mpich), else the one on PATH."""
-    if given:
-        return given
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise BenchError("no mpiexec found: run bash launch/setup.sh (pip mpich) or pass --mpiexec PATH")
-    return found
-
-
-OPENMPI_ROOT_FLAGS = ("--allow-run-as-root", "--oversubscribe")
-
-
-def is_open_mpi(mpiexec: str) -> bool:
-    """Whether ``mpiexec --version`` names Open MPI (4: "OpenRTE", 5: "Open MPI")."""
-    try:
-        version = mpiexec_banner(mpiexec)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in version or "OpenRTE" in version
-
-
-def launcher_args(mpiexec: str, given: list[str]) -> list[str]:
-    """The extra mpiexec arguments of every job: ``given``, and as root under Open MPI also
-    ``--allow-run-as-root --oversubscribe`` (as launch/mpirun.sh adds them): Open MPI refuses to
-    start as root without the first, and without the second a job may not use more ranks than
-    the machine has cores, which a bench row of 1 server + 2 workers on 2 cores needs."""
-    if os.geteuid() != 0 or not is_open_mpi(mpiexec):
-        return given
-    return [*given, *(flag for flag in OPENMPI_ROOT_FLAGS if flag not in given)]
-
-
-def _run_job(cmd: list[str], env: dict[str, str], timeout: float) -> None:
-    """Run one mpiexec job in its own process group; on timeout or Ctrl-C end the whole group."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except BaseException as err:
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-                out, _ = proc.communicate(timeout=grace)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        else:
-            out = b""
-        if isinstance(err, subprocess.TimeoutExpired):
-            raise BenchError(
-                f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs): {shlex.join(cmd)}\n{_tail(out)}"
-            ) from None
-        raise
-    if proc.returncode != 0:
-        raise BenchError(f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}")
-
-
-def _tail(out: bytes | None, lines: int = 40) -> str:
-    return "\n".join((out or b"").decode(errors="replace").splitlines()[-lines:])
-
-
 def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     head, cfg = item_config(item, cfg)
     if head in BASELINES:
@@ -327,7 +259,8 @@ def orchestrate(
                 done += 1
                 out = Path(tmp) / f"out-{done}.json"
                 job = Path(tmp) / f"job-{done}.json"
-                job.write_text(json.dumps(spec | {"item": item, "out": str(out)}))
+                logs = row_log_dir(cfg.log_dir, done, round_, item)
+                job.write_text(json.dumps(spec | {"item": item, "out": str(out), "log_dir": logs}))
                 command = [sys.executable, "-m", "psgrad.bench", str(job)]
                 n = ranks_for(item, cfg, workers)
                 cmd = [mpiexec, *mpiexec_args, "-n", str(n), *(net.wrap(command) if net else command)]
@@ -335,7 +268,7 @@ def orchestrate(
                 print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
                 started = time.perf_counter()
                 try:
-                    _run_job(cmd, env, timeout)
+                    run_job(cmd, env, timeout, log=logs and Path(logs) / "job.log")
                 except KeyboardInterrupt as err:
                     reason, _ = stop_reason(err)
                     print(f"[bench] {reason} in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
@@ -346,22 +279,10 @@ def orchestrate(
                 results[item].append(m)
                 print(
                     f"[bench {done}/{total}]   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step"
-                    f"{_target_note(m, target)} ({time.perf_counter() - started:.0f} s)",
+                    f"{target_note(m, target)} ({time.perf_counter() - started:.0f} s)",
                     file=sys.stderr,
                 )
     return results
-
-
-def _target_note(m: dict, target: float | None) -> str:
-    if not target or "final_acc" not in m:
-        return ""
-    reached = m["target_steps"] == m["target_steps"]
-    where = (
-        f"{target:.3f} at step {m['target_steps']}, {m['target_seconds']:.1f} s"
-        if reached
-        else f"{target:.3f} not reached"
-    )
-    return f", test accuracy {m['final_acc']:.3f} ({where})"
 
 
 def _child(job_path: str) -> None:
@@ -375,7 +296,7 @@ def _child(job_path: str) -> None:
     from ..comm.transport import finalize_and_exit
 
     job = json.loads(Path(job_path).read_text())
-    cfg = RunConfig.from_json(json.dumps(job["config"]))
+    cfg = replace(RunConfig.from_json(json.dumps(job["config"])), log_dir=job["log_dir"])
     try:
         m = run_item(
             job["item"],

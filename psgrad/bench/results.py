@@ -147,6 +147,19 @@ def summarize(
     return rows
 
 
+def target_note(m: dict, target: float | None) -> str:
+    """The launcher's line after a row's job: its final accuracy and when it reached ``target``."""
+    if not target or "final_acc" not in m:
+        return ""
+    reached = m["target_steps"] == m["target_steps"]
+    where = (
+        f"{target:.3f} at step {m['target_steps']}, {m['target_seconds']:.1f} s"
+        if reached
+        else f"{target:.3f} not reached"
+    )
+    return f", test accuracy {m['final_acc']:.3f} ({where})"
+
+
 def _target_medians(ms: list[dict]) -> dict:
     """Median time/steps/bytes to target over the rounds that reached it, and the final accuracy."""
     if not any("final_acc" in m for m in ms):

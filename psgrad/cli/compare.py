@@ -3,6 +3,8 @@ job per row (optionally on shaped links) or inside the job it runs in."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ..options import SectionedCommand, config_from, run_options, set_off_default
@@ -17,7 +19,6 @@ TARGET_JOB_TIMEOUT = 4 * 3600.0
 took 23 min on 10 Mbit/s links here)."""
 
 BENCH_IGNORES = {
-    "--log-dir": "log_dir",
     "--tensorboard": "tensorboard",
     "--checkpoint-every-steps": "checkpoint_every_steps",
     "--resume": "resume",
@@ -155,6 +156,10 @@ def bench(
     Run it plainly (`psgrad bench --steps 20 ...`) and it launches one mpiexec job per codec and
     baseline itself, optionally on shaped links; under `mpiexec -n 3 psgrad bench ...` it runs the
     codecs inside that job.
+
+    With --log-dir every row trained by psgrad train keeps its run's logs in
+    LOG_DIR/NN-rR-ROW (NN the run, R the round): config.json, metrics.csv (one line per step,
+    with the time each part took), eval.csv; a launched job's output is its job.log.
     """
     from ..bench import launcher as bench_module
 
@@ -195,8 +200,13 @@ def _bench_settings(options: dict, *, warmup: int, target_accuracy: float | None
     ignored = [flag for flag, name in BENCH_IGNORES.items() if options.get(name)]
     if ignored:
         raise click.UsageError(
-            f"psgrad bench does not use {', '.join(ignored)}: its runs write no logs or checkpoints "
-            "(--json and --plot keep its results)"
+            f"psgrad bench does not use {', '.join(ignored)}: its runs write no checkpoints or TensorBoard files "
+            "(--json and --plot keep its results, --log-dir each row's logs)"
+        )
+    log_dir = options.get("log_dir")
+    if log_dir and Path(log_dir).exists() and any(Path(log_dir).iterdir()):
+        raise click.BadParameter(
+            f"{log_dir} is not empty: give a new folder for the rows' logs", param_hint="--log-dir"
         )
     options["steps"] = options["steps"] or 20
     if target_accuracy and not options["eval_every_steps"]:
@@ -263,6 +273,7 @@ def _bench_by_launcher(
 
     from ..bench import launcher as bench_module
     from ..bench import results as bench_results
+    from ..bench.jobs import BenchError, find_mpiexec
     from ..bench.netshape import ShapeError, parse_rate
 
     bandwidth = launch["bandwidth"]
@@ -274,14 +285,14 @@ def _bench_by_launcher(
             warmup=warmup,
             repeat=repeat,
             workers=workers,
-            mpiexec=bench_module.find_mpiexec(launch["mpiexec_path"]),
+            mpiexec=find_mpiexec(launch["mpiexec_path"]),
             mpiexec_args=shlex.split(launch["mpiexec_args"]),
             timeout=launch["timeout"],
             bandwidth=bandwidth,
             powersgd_rank=launch["powersgd_rank"],
             target=report["target"],
         )
-    except (bench_module.BenchError, ShapeError) as err:
+    except (BenchError, ShapeError) as err:
         raise click.ClickException(str(err)) from None
     topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
     rows = bench_results.summarize(
