@@ -13,10 +13,9 @@ A step is one batch, as always. Per step on a worker:
    the update, applied here to theta_sync as the servers apply it).
 On the wire an exchange is numbered k = step // H, so the servers count exchanges, not batches.
 With ``--overlap-exchange`` step 3 does not wait (eager, as overlapped DiLoCo does):
-4. The worker applies the outer optimizer itself, to theta_sync with an estimate of the average
-   it does not have yet: its own share fresh, the others' as of the last reply (a replica of the
-   servers' optimizer that follows their replies, ``engine.eager``), and trains on from that
-   provisional point P.
+4. The worker applies the outer optimizer itself, to theta_sync with its own delta in place of the
+   average it does not have yet (a replica of the servers' optimizer, fed this worker's deltas),
+   and trains on from that provisional point P.
 5. The reply is taken tau steps later (``--overlap-steps``; at the next exchange, tau = H, by
    default), at the end of that step, waiting for it if it has not arrived: theta = reply +
    (theta - P). The steps taken since move on from the servers' result, and a reply that is an
@@ -44,9 +43,8 @@ import torch
 
 from ..comm.protocol import Layer, StepStats, copy_flat_into
 from ..config import RunConfig
-from ..optim import learning_rate
+from ..optim import LayerOptimizer, learning_rate
 from .clock import StepClock
-from .eager import EagerOuterStep
 
 
 def _period(cfg: RunConfig) -> int:
@@ -110,9 +108,8 @@ class LocalSteps:
         self.inner = inner_optimizer(self.cfg, trainable, self.ctx.optimizer_fn)
         self.synced: dict[str, torch.Tensor] = {}  # theta_sync; empty: take the servers' reply first
         self.started: dict[str, torch.Tensor] = {}  # overlapped: the provisional point P (step 4)
-        # overlapped: the servers' outer step, replayed here for the provisional point (engine.eager)
-        workers = self.ctx.layout.num_workers
-        self.replica = EagerOuterStep(self.cfg, workers=workers) if self.cfg.overlap_exchange else None
+        # overlapped: the servers' outer optimizer, fed this worker's deltas at every exchange
+        self.replica = LayerOptimizer.from_config(self.cfg) if self.cfg.overlap_exchange else None
         plan = fragment_of(self.layers, self.cfg.fragments)
         self.fragment_layers = [
             [layer for layer in self.layers if plan[layer.index] == f] for f in range(self.cfg.fragments)
@@ -195,9 +192,8 @@ class LocalSteps:
         is taken by the next step's forward (the whole model) or at once (a fragment).
         Overlapped: each layer moves to the replica's provisional point P, where the worker
         trains on; the reply, taken tau steps later or at the fragment's next exchange, moves it
-        by the servers' result minus P (``_take_overlapped_reply``), and the replica learns from it
-        the average the servers stepped with. An exchange that waits moves the replica's momentum
-        by its estimate, so it stays near the servers' through the exchanges that wait."""
+        by the servers' result minus P (``_take_overlapped_reply``). The replica steps at every
+        exchange, so its momentum follows the servers' through the exchanges that wait."""
         if fragment in self.due:  # the run's last exchange came before tau steps were up
             self._take_overlapped_reply(fragment)
         layers = self.fragment_layers[fragment]
@@ -224,14 +220,12 @@ class LocalSteps:
         self._remember({name: self.params[name] for name in _names(layers)})
 
     def _provisional_step(self, layer: Layer, change: torch.Tensor, *, move: bool) -> None:
-        """Step 4: the replica's outer step from theta_sync with its estimate of the average from
-        this worker's ``change``; with ``move`` the layer's parameters go to that point P."""
-        point = self.replica.point(layer.name, self._synced_flat(layer), change, waits=not move)
+        """Step 4: the replica's outer step from theta_sync with this worker's ``change``; with
+        ``move`` the layer's parameters go to that point P."""
+        point = torch.cat([self.synced[name].reshape(-1) for name in layer.params])
+        self.replica.step(layer.name, point, change, self.cfg.outer_lr)
         if move:
             copy_flat_into(self.params, layer.params, point)
-
-    def _synced_flat(self, layer: Layer) -> torch.Tensor:
-        return torch.cat([self.synced[name].reshape(-1) for name in layer.params])
 
     def _take_overlapped_reply(self, fragment: int) -> None:
         """The reply of ``fragment``'s last, overlapped exchange: theta = reply + (theta - P), so
@@ -240,7 +234,6 @@ class LocalSteps:
         params = {name: self.params[name] for name in _names(layers)}
         with torch.no_grad():
             progress = {name: p.detach() - self.started.pop(name) for name, p in params.items()}
-            before = {layer.name: self._synced_flat(layer) for layer in layers}
             for name, p in params.items():
                 p.copy_(self.synced[name])  # a delta or PowerSGD's reply updates theta_sync
             del self.due[fragment]
@@ -248,8 +241,6 @@ class LocalSteps:
             for layer in layers:
                 self.finish_pull(layer.index)
             self._remember(params)
-            for layer in layers:  # the replica learns the average the servers stepped with
-                self.replica.settle(layer.name, before[layer.name], self._synced_flat(layer))
             for name, p in params.items():
                 p.add_(progress[name])
 
@@ -280,7 +271,7 @@ class LocalSteps:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def local_state_dict(self) -> dict:
-        replica = {"eager_outer": self.replica.state_dict()} if self.replica is not None else {}
+        replica = {"outer_replica": self.replica.state_dict()} if self.replica is not None else {}
         # fragments: the layers that did not exchange at the checkpoint have moved on from theta_sync
         theta = {"theta": {n: p.detach().clone() for n, p in self.params.items()}} if self.cfg.fragments > 1 else {}
         return {"inner": self.inner.state_dict(), **replica, **theta}
@@ -288,7 +279,7 @@ class LocalSteps:
     def load_local_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
         if self.replica is not None:  # a checkpoint written before the replica existed: it starts anew
-            self.replica.load_state_dict(state.get("eager_outer", {}))
+            self.replica.load_state_dict(state.get("outer_replica", {}))
         if self.cfg.fragments > 1:
             self.resumed = state["theta"]
 
