@@ -268,7 +268,7 @@ def orchestrate(
                 print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
                 started = time.perf_counter()
                 try:
-                    run_job(cmd, env, timeout, log=logs and Path(logs) / "job.log")
+                    run_job(cmd, env, timeout, log=Path(logs) / "job.log" if logs else None)
                 except KeyboardInterrupt as err:
                     reason, _ = stop_reason(err)
                     print(f"[bench] {reason} in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
