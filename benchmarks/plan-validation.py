@@ -8,7 +8,7 @@ ResNet-20, batch 8, at 2, 4 and 8 workers on 10 Mbit/s links: "One server or col
 (`sudo bash benchmarks/bench-scaling.sh`), its ms a step and compute-only of each worker count.
 The overlapped rows are from paired runs on an AMD EPYC VM with the run's last step (which settles
 every exchange in flight) left out of the rate, two rounds each: compute-only 2.65 it/s at 1 Mbit/s
-and 2.70 at 10 Mbit/s (`psgrad bench ... --steps 128 --warmup-steps 32 --repeat 2 --bandwidth 10mbit`).
+and 2.70 at 10 Mbit/s, 2.72 in the run of four fragments by 16 steps (`psgrad bench ... --steps 128 --warmup-steps 32 --repeat 2 --bandwidth 10mbit`).
 Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFICIENCY).
 
 Usage: python benchmarks/plan-validation.py
@@ -66,6 +66,13 @@ CELLS = (  # (row, options, bandwidth, compute-only step, measured x compute-onl
         1e6,
         OVERLAPPED,
         0.74,
+    ),
+    (
+        "the same, each fragment by 16",
+        {**Q16_Q64_H32, "overlap_exchange": True, "overlap_steps": 16, "fragments": 4},
+        1e6,
+        1 / 2.72,
+        1.00,
     ),
     ("qsgd:levels=16 up, dense down, 32 local steps", Q16_H32, 10e6, TEN, 0.68),
     ("none colocated, 32 local steps", dict(topology="colocated", local_steps=32), 10e6, TEN, 0.59),

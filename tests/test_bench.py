@@ -56,6 +56,8 @@ def test_bench_launcher_with_baselines(tmp_path):
     for name in kept[:3]:
         assert "[psgrad] done: 7 steps" in (logs / name / "job.log").read_text(), name
         assert len(metrics_rows(logs / name)) == 7, name
+        assert not list((logs / name).glob("ckpt-step*")) and not (logs / name / "model.pt").exists(), name
+    assert (logs / kept[2] / "row.txt").read_text() == a2a + "\n"
     assert (logs / kept[3] / "job.log").exists() and not (logs / kept[3] / "metrics.csv").exists()
     rows = {r["codec"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["none", "qsgd:levels=4", a2a, "compute", "ddp", "ddp-powersgd"]

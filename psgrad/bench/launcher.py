@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +39,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..checkpoint import step_dirs
 from ..config import RunConfig
 from ..options import option_overrides, refuse_unused
 from ..roles import topology_of
@@ -195,8 +197,19 @@ def run_item(
     result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
     if result.rank != 0:
         return None
+    if cfg.log_dir:
+        _keep_row_logs(Path(cfg.log_dir), item)
     timed = measure(result.rows[:measured], warmup, result.evals)
     return timed | (to_target(result.rows, result.evals, target) if target else {})
+
+
+def _keep_row_logs(log_dir: Path, item: str) -> None:
+    """A row's log dir keeps its logs and says which row it was (row.txt); the checkpoint and
+    model that a run with a log dir writes at its end (tens of MB a row) go."""
+    (log_dir / "row.txt").write_text(item + "\n")
+    (log_dir / "model.pt").unlink(missing_ok=True)
+    for path in step_dirs(log_dir).values():
+        shutil.rmtree(path)
 
 
 def run_in_mpi(

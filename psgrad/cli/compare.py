@@ -159,7 +159,8 @@ def bench(
 
     With --log-dir every row trained by psgrad train keeps its run's logs in
     LOG_DIR/NN-rR-ROW (NN the run, R the round): config.json, metrics.csv (one line per step,
-    with the time each part took), eval.csv; a launched job's output is its job.log.
+    with the time each part took), eval.csv and row.txt, the row's whole spec; a launched job's
+    output is its job.log.
     """
     from ..bench import launcher as bench_module
 
