@@ -222,8 +222,8 @@ def run_in_mpi(
     results: dict[str, list[dict]] = {s: [] for s in specs}
     for round_ in range(repeat):
         for index, spec in enumerate(specs):
-            logs = replace(cfg, log_dir=row_log_dir(cfg.log_dir, round_ * len(specs) + index + 1, round_, spec))
-            m = run_item(spec, logs, steps=steps, warmup=warmup, target=target)
+            row_cfg = replace(cfg, log_dir=row_log_dir(cfg.log_dir, round_ * len(specs) + index + 1, round_, spec))
+            m = run_item(spec, row_cfg, steps=steps, warmup=warmup, target=target)
             if m is not None:
                 results[spec].append(m)
     return results
