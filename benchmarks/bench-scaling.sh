@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # When to leave the single server: step time against the number of workers on slow links, one
 # server rank against colocated servers, dense and compressed (docs/benchmarks.md, "One server or colocated").
-# Usage: sudo bash benchmarks/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS]
-#   defaults: bench-scaling 10mbit "2 4 8" 8 — shaped links need root. ResNet-20 at batch 8: a small
+# Usage: sudo bash benchmarks/bench-scaling.sh [OUT_DIR] [BANDWIDTH] [WORKERS] [STEPS] [REPEAT]
+#   defaults: bench-scaling 10mbit "2 4 8" 8 1 — shaped links need root. ResNet-20 at batch 8: a small
 #   model keeps the run link-bound (N ranks share this machine's cores), and its 21 layers of
 #   similar size spread over the serving ranks (a model with one dominant layer, like mlp, puts
 #   every byte on that layer's owner whatever the topology).
@@ -11,6 +11,7 @@ out=${1:-bench-scaling}
 bandwidth=${2:-10mbit}
 workers=${3:-2 4 8}
 steps=${4:-8}
+repeat=${5:-1}
 here=$(cd "$(dirname "$0")/.." && pwd)
 psgrad=${PSGRAD:-$here/.venv/bin/psgrad}
 python=${PSGRAD_PYTHON:-$here/.venv/bin/python}
@@ -18,7 +19,7 @@ mkdir -p "$out"
 codecs="none;none --topology colocated"
 codecs+=";sign --feedback ef --down-codec sign;sign --feedback ef --down-codec sign --topology colocated"
 for n in $workers; do
-  "$psgrad" bench --model resnet20 --batch-size 8 --steps "$steps" --warmup-steps 2 --workers "$n" \
+  "$psgrad" bench --model resnet20 --batch-size 8 --steps "$steps" --warmup-steps 2 --repeat "$repeat" --workers "$n" \
     --bandwidth "$bandwidth" --codecs "$codecs" --baselines compute --json "$out/workers-$n.json" | tee "$out/workers-$n.txt"
 done
 "$python" - "$out" "$bandwidth" $workers <<'PY'
