@@ -9,13 +9,17 @@ ResNet-20, batch 8, at 2, 4 and 8 workers on 10 Mbit/s links: "One server or col
 The overlapped rows are from paired runs on an AMD EPYC VM with the run's last step (which settles
 every exchange in flight) left out of the rate, two rounds each: compute-only 2.65 it/s at 1 Mbit/s
 and 2.70 at 10 Mbit/s, 2.72 in the run of four fragments by 16 steps (`psgrad bench ... --steps 128 --warmup-steps 32 --repeat 2 --bandwidth 10mbit`).
-Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFICIENCY).
+Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFICIENCY). Where N
+ranks share the 2 cores, each rank's own CPU work a layer (plan.own_layer_overhead_s) slows as
+its compute does: it is scaled by the compute-only step of N workers over that of 2.
 
 Usage: python benchmarks/plan-validation.py
 """
 
+import dataclasses
+
 from psgrad.models import build_model
-from psgrad.plan import FAN_IN_EFFICIENCY, Scenario, plan
+from psgrad.plan import FAN_IN_EFFICIENCY, Scenario, own_layer_overhead_s, plan
 
 SHAPES = [tuple(p.shape) for p in build_model("wrn", 100, depth=16, widen_factor=4).parameters()]
 PSGD8_H32 = dict(codec="powersgd:rank=8", topology="colocated", local_steps=32)
@@ -30,7 +34,13 @@ FAST = 1 / 4.82  # ... of the 100 Mbit/s runs
 OVERLAPPED = 1 / 2.65  # ... of the 1 Mbit/s run of the overlapped rows
 EPYC = 1 / 2.70  # ... of the 10 Mbit/s run of the overlapped rows
 CELLS = (  # (row, options, bandwidth, compute-only step, measured x compute-only)
-    ("powersgd:rank=8 colocated, 32 local steps, overlapped", {**PSGD8_H32, "overlap_exchange": True}, 10e6, EPYC, 1.00),
+    (
+        "powersgd:rank=8 colocated, 32 local steps, overlapped",
+        {**PSGD8_H32, "overlap_exchange": True},
+        10e6,
+        EPYC,
+        1.00,
+    ),
     ("same", {**PSGD8_H32, "overlap_exchange": True}, 1e6, OVERLAPPED, 0.97),
     ("powersgd:rank=8 colocated, 32 local steps", PSGD8_H32, 10e6, TEN, 0.90),
     ("same", PSGD8_H32, 1e6, ONE, 0.64),
@@ -99,9 +109,9 @@ CELLS = (  # (row, options, bandwidth, compute-only step, measured x compute-onl
 RESNET20 = [tuple(p.shape) for p in build_model("resnet20", 100).parameters()]
 SIGN = dict(codec="sign", down_codec="sign")
 SCALING = {  # workers: compute-only ms, then ms a step of none 1 server, colocated; sign EF both ways the same
-    2: (42.1, 2503.6, 993.1, 108.1, 94.7),
-    4: (122.5, 4931.9, 1685.1, 212.5, 163.5),
-    8: (282.2, 9721.6, 2624.8, 557.0, 461.5),
+    2: (30.6, 2467.6, 999.7, 79.7, 48.9),
+    4: (64.2, 4972.4, 1757.9, 189.7, 105.4),
+    8: (130.9, 9953.8, 2741.0, 445.1, 226.9),
 }
 SCALED = [  # (row, options, workers, compute-only step, measured x compute-only)
     (f"ResNet-20 {name}, {n} workers", options, n, ms[0] / 1e3, ms[0] / ms[i])
@@ -135,15 +145,13 @@ for row, options, rate, step, measured in CELLS:
         measured,
     )
 for row, options, workers, step, measured in SCALED:
-    show(
-        row,
-        Scenario(
-            shapes=RESNET20,
-            workers=workers,
-            bandwidth_bps=10e6,
-            compute_s=step,
-            fan_in_efficiency=FAN_IN_EFFICIENCY,
-            **options,
-        ),
-        measured,
+    scenario = Scenario(
+        shapes=RESNET20,
+        workers=workers,
+        bandwidth_bps=10e6,
+        compute_s=step,
+        fan_in_efficiency=FAN_IN_EFFICIENCY,
+        **options,
     )
+    shared = step / (SCALING[2][0] / 1e3)  # N ranks on 2 cores: each rank's CPU work slows alike
+    show(row, dataclasses.replace(scenario, layer_overhead_s=own_layer_overhead_s(scenario) * shared), measured)

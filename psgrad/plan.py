@@ -38,7 +38,11 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
    With F fragments (``fragments``) each exchange moves link / F, F times in H steps, each with
    its own latency and tau: ``compute + (coding + F x max(0, link / F + latency - (tau-1) x
    compute)) / H``, and never less than the link's share, ``(link - H x compute) / H``, a step.
-7. psgrad adds its own bookkeeping, ``PSGRAD_OVERHEAD`` x compute a step (``overhead``).
+7. psgrad adds its own CPU work, a fixed cost for each layer an exchange moves (its hooks, the
+   codec's calls, the messages, serving its share, applying the reply), whatever the layer's
+   size: ``layer_overhead_s`` x the layers, once an exchange (every H-th step). By default
+   ``PSGRAD_LAYER_OVERHEAD_S`` where every rank also serves, less ``SERVING_SHARE`` of it for a
+   ``ps`` worker (``own_layer_overhead_s``). DDP's is none.
 8. Utilisation is compute / step; the bottleneck is the largest cost beside compute (link,
    latency, coding or psgrad's overhead), or compute itself when none reaches a tenth of it.
 """
@@ -79,10 +83,18 @@ during backward, half (assumed, not measured)."""
 
 PSGRAD_OVERLAP = 0.85
 
-PSGRAD_OVERHEAD = 0.08
-"""psgrad's own cost a step beside compute, coding and the link (its hooks, messages and
-bookkeeping in Python), as a fraction of the compute-only step: fitted on the 100 Mbit/s runs
-here, where the link is nearly free. DDP's is taken as none."""
+PSGRAD_LAYER_OVERHEAD_S = 0.9e-3
+"""psgrad's own CPU time an exchange costs a rank that works and serves (colocated, alltoall,
+ring) for each layer it moves, beside compute, coding and the link: its hooks, the codec's Python
+calls, the messages, serving its share, applying the reply. Fitted on the 100 Mbit/s WRN-16-4
+colocated runs here, where the link is nearly free (16.6 ms a step over 18 layers). A cost a
+message, not a byte: ResNet-20's 21 layers, a tenth of WRN-16-4's elements, cost 15 ms a step
+unshaped on the AMD EPYC VM. A host CPU faster at Python pays less."""
+
+SERVING_SHARE = 0.37
+"""The part of ``PSGRAD_LAYER_OVERHEAD_S`` that is serving (decoding the workers' messages,
+summing, coding the reply): 6.1 of 16.6 ms a step in ResNet-20's colocated breakdown (``psgrad
+bench --wide``). A ``ps`` worker does not pay it: its servers are ranks of their own."""
 
 
 def overlap_of(topology: str) -> float:
@@ -111,7 +123,7 @@ class Scenario:
     efficiency: float = EFFICIENCY
     fan_in_efficiency: float = 1.0  # FAN_IN_EFFICIENCY: this machine's shaped links
     overlap: float | None = None  # None: ``overlap_of(topology)``
-    overhead: float | None = None  # None: ``PSGRAD_OVERHEAD`` for psgrad's topologies, 0 for DDP
+    layer_overhead_s: float | None = None  # psgrad's own seconds a layer an exchange; None: measured here
 
 
 @dataclass(frozen=True)
@@ -160,13 +172,18 @@ def message_bytes(spec: str, shape: tuple[int, ...]) -> float:
     return bound * coded / wire.max_message_bytes(spec, sample)
 
 
-def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
-    """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: the layers psgrad's run
-    plans (``protocol.plan_layers``, the 1-D parameters dense in one bucket), each a typical
-    message of its shape (``message_bytes``)."""
-    layers = plan_layers(
+def exchanged_layers(shapes: Sequence[tuple[int, ...]]) -> list:
+    """The layers psgrad's run plans for ``shapes`` (``protocol.plan_layers``): one message each,
+    the 1-D parameters dense in one bucket."""
+    return plan_layers(
         [(f"p{i}", tuple(shape)) for i, shape in enumerate(shapes)], granularity="layer", owners=1, bucket_vectors=True
     )
+
+
+def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
+    """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: each layer psgrad's run
+    plans (``exchanged_layers``), a typical message of its shape (``message_bytes``)."""
+    layers = exchanged_layers(shapes)
     return sum(message_bytes(spec if layer.compress else "none", tuple(layer.shape)) for layer in layers)
 
 
@@ -183,6 +200,7 @@ class Exchange:
     round_trips: Callable[[int, int], float]  # (workers, the codec's rounds) -> RTTs a step
     reply_coded: bool  # whether the reply is the codec's own (no down-link of its own)
     all_reduce: bool = False  # torch DDP: its own ring, no psgrad bookkeeping
+    serves: bool = True  # a rank that works also serves (decodes the others' messages)
 
 
 def _ring_all_reduce(n: int, coded: float) -> float:
@@ -191,7 +209,11 @@ def _ring_all_reduce(n: int, coded: float) -> float:
 
 EXCHANGES = {
     "ps": Exchange(
-        lambda n, servers, up, down: n * max(up, down) / servers, lambda n: n, lambda n, rounds: rounds, False
+        lambda n, servers, up, down: n * max(up, down) / servers,
+        lambda n: n,
+        lambda n, rounds: rounds,
+        False,
+        serves=False,
     ),
     "colocated": Exchange(
         lambda n, servers, up, down: (n - 1) / n * (up + down), lambda n: n - 1, lambda n, rounds: rounds, False
@@ -257,6 +279,17 @@ def coding_s(s: Scenario) -> float:
     return sum(0.0 if math.isinf(rate) else 4 * _elements(s.shapes) / (rate * 1e9) for rate in rates)
 
 
+def own_layer_overhead_s(s: Scenario) -> float:
+    """psgrad's own seconds a layer an exchange (module docstring, 7): ``s.layer_overhead_s`` when
+    given; else ``PSGRAD_LAYER_OVERHEAD_S``, less its serving share for a ``ps`` worker; none for
+    torch DDP."""
+    if exchange_of(s.topology).all_reduce:
+        return 0.0
+    if s.layer_overhead_s is not None:
+        return s.layer_overhead_s
+    return PSGRAD_LAYER_OVERHEAD_S * (1.0 if exchange_of(s.topology).serves else 1 - SERVING_SHARE)
+
+
 def plan(s: Scenario) -> Plan:
     """The predicted step of scenario ``s`` (module docstring, 6-8)."""
     if s.workers < 1 or s.local_steps < 1 or s.bandwidth_bps <= 0 or s.compute_s <= 0:
@@ -267,6 +300,8 @@ def plan(s: Scenario) -> Plan:
         raise ValueError(f"fragments must divide local_steps {s.local_steps}, got {s.fragments}")
     if not 0 < s.fan_in_efficiency <= 1:
         raise ValueError(f"fan_in_efficiency must be in (0, 1], got {s.fan_in_efficiency}")
+    if s.layer_overhead_s is not None and s.layer_overhead_s < 0:
+        raise ValueError(f"layer_overhead_s must be at least 0, got {s.layer_overhead_s}")
     exchange = exchange_of(s.topology)
     moved = link_bytes(s)
     incast = s.fan_in_efficiency if exchange.senders(s.workers) > 1 else 1.0
@@ -286,9 +321,7 @@ def plan(s: Scenario) -> Plan:
     else:
         f = s.fragments
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": f * latency / h}
-    own = 0.0 if exchange.all_reduce else PSGRAD_OVERHEAD
-    overhead = s.overhead if s.overhead is not None else own
-    parts["overhead"] = overhead * s.compute_s
+    parts["overhead"] = own_layer_overhead_s(s) * len(exchanged_layers(s.shapes)) / h
     step = sum(parts.values())
     extra = max((name for name in parts if name != "compute"), key=parts.get)
     bottleneck = extra if parts[extra] >= 0.1 * s.compute_s else "compute"

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from psgrad.cli import main
 from psgrad.comm import wire
-from psgrad.plan import Scenario, coded_bytes, link_bytes, message_bytes, plan
+from psgrad.plan import PSGRAD_LAYER_OVERHEAD_S, SERVING_SHARE, Scenario, coded_bytes, link_bytes, message_bytes, plan
 
 SHAPES = [(64, 32, 3, 3), (128, 64, 3, 3), (10, 128), (64,), (128,), (10,)]
 ELEMENTS = sum(math.prod(shape) for shape in SHAPES)
@@ -92,7 +92,7 @@ def test_the_predicted_bytes_are_what_a_colocated_run_sends(tmp_path, codec):
 
 
 def test_local_steps_divide_an_exchange_and_overlapping_hides_it():
-    base = dict(shapes=SHAPES, workers=2, bandwidth_bps=1e6, compute_s=0.1, overhead=0.0)
+    base = dict(shapes=SHAPES, workers=2, bandwidth_bps=1e6, compute_s=0.1, layer_overhead_s=0.0)
     every = plan(Scenario(**base))
     h8 = plan(Scenario(**base, local_steps=8))
     link = link_bytes(Scenario(**base)) * 8 / 1e6
@@ -107,6 +107,24 @@ def test_local_steps_divide_an_exchange_and_overlapping_hides_it():
     assert plan(Scenario(**base, **overlapped, overlap_steps=8)).step_s == plan(Scenario(**base, **overlapped)).step_s
     with pytest.raises(ValueError, match="overlap_steps"):
         plan(Scenario(**base, **overlapped, overlap_steps=9))
+
+
+def test_psgrads_own_cost_is_per_layer_not_per_byte_and_once_an_exchange():
+    small = [(16, 8, 3, 3), (32, 16, 3, 3), (10, 32), (16,), (32,), (10,)]  # 3 layers + the bucket
+    big = [(512, 256, 3, 3), (512, 512, 3, 3), (1000, 512), (512,), (512,), (1000,)]
+    for shapes in (small, big):
+        cost = plan(Scenario(shapes=shapes, topology="colocated", compute_s=0.1)).parts["overhead"]
+        assert cost == pytest.approx(4 * PSGRAD_LAYER_OVERHEAD_S)
+    h8 = Scenario(shapes=big, topology="colocated", compute_s=0.1, local_steps=8)
+    assert plan(h8).parts["overhead"] == pytest.approx(4 * PSGRAD_LAYER_OVERHEAD_S / 8)
+    # a ps worker does not serve: its servers are ranks of their own
+    ps = plan(Scenario(shapes=big, topology="ps", compute_s=0.1)).parts["overhead"]
+    assert ps == pytest.approx(4 * PSGRAD_LAYER_OVERHEAD_S * (1 - SERVING_SHARE))
+    assert plan(Scenario(shapes=big, topology="ddp")).parts["overhead"] == 0  # torch's own all-reduce
+    given = plan(Scenario(shapes=big, compute_s=0.1, layer_overhead_s=0.01))
+    assert given.parts["overhead"] == pytest.approx(0.04) and given.step_s == pytest.approx(sum(given.parts.values()))
+    with pytest.raises(ValueError, match="layer_overhead_s"):
+        plan(Scenario(shapes=big, layer_overhead_s=-1.0))
 
 
 def test_a_ring_all_reduce_waits_for_a_round_trip_per_rank():
@@ -159,6 +177,16 @@ def test_the_command_says_what_is_wrong(args, fragment):
         given = [a for a in args if a not in ("--step-ms", None)]
     done = CliRunner().invoke(main, ["plan", *given])
     assert done.exit_code == 2 and fragment in done.output, done.output
+
+
+def test_the_command_takes_psgrads_cost_a_layer():
+    args = ["plan", "--model", "mlp", "--step-ms", "50", "--workers", "2", "--bandwidth", "1gbit"]
+    default, slow = (CliRunner().invoke(main, args + extra) for extra in ([], ["--layer-overhead-ms", "20"]))
+    assert default.exit_code == 0 and slow.exit_code == 0, default.output + slow.output
+    assert "psgrad's own 0.9 ms a layer" in default.output and "psgrad's own 20 ms a layer" in slow.output
+    share = [float(done.output.splitlines()[2].split()[4]) for done in (default, slow)]
+    assert share[1] < share[0]
+    assert slow.output.splitlines()[2].split()[-1] == "overhead"
 
 
 def test_without_a_step_time_the_model_is_timed_here():

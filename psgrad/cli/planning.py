@@ -133,6 +133,14 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     help="Fraction of its rate a link reaches when several ranks send into it at once (incast: a ps server's, "
     "a colocated rank's past 2 workers); 1 loses nothing, 0.74 is what psgrad bench --bandwidth's shaped links reached.",
 )
+@click.option(
+    "--layer-overhead-ms",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="psgrad's own CPU time an exchange costs a rank for each layer it moves (hooks, codec calls, messages, "
+    "serving) [default: fitted on the development VM, 0.9 where every rank serves too, 0.57 for a ps worker; "
+    "a host CPU faster at Python pays less].",
+)
 def plan(
     *,
     model: str,
@@ -156,9 +164,12 @@ def plan(
     fragments: int,
     code_gbps: float | None,
     fan_in_efficiency: float,
+    layer_overhead_ms: float | None,
 ) -> None:
     """Predict a step's time on links you do not have: a cost model of the bytes on the busiest
     link, round trips, coding and overlap, validated on this machine's shaped runs (docs/planning.md, "How well it predicts")."""
+    import dataclasses
+
     from ..plan import Scenario
     from ..plan import plan as predict
 
@@ -168,29 +179,39 @@ def plan(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
     )  # fmt: skip
-    params = sum(math.prod(shape) for shape in shapes)
-    click.echo(
-        f"{params / 1e6:,.1f} M parameters, {codec} up, {down_codec} down, {topology}, compute {step_ms:.1f} ms a "
-        f"step, RTT {rtt_ms:g} ms (modelled), local steps {local_steps}"
-        + (f" in {fragments} fragments" if fragments > 1 else "")
-        + (f" overlapped by {overlap_steps or local_steps}" if overlap_exchange else "")
-        + (f", fan-in efficiency {fan_in_efficiency:g}" if fan_in_efficiency < 1 else "")
-    )
+    given = Scenario(
+        shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, servers=servers, rtt_s=rtt_ms / 1e3,
+        compute_s=step_ms / 1e3, local_steps=local_steps, overlap_exchange=overlap_exchange,
+        overlap_steps=overlap_steps, fragments=fragments, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
+        layer_overhead_s=None if layer_overhead_ms is None else layer_overhead_ms / 1e3,
+    )  # fmt: skip
+    click.echo(_header(given))
     click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
     for n in workers:
         for rate in bandwidth:
-            result = predict(
-                Scenario(
-                    shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, workers=n,
-                    servers=servers, bandwidth_bps=rate, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
-                    local_steps=local_steps, overlap_exchange=overlap_exchange, overlap_steps=overlap_steps,
-                    fragments=fragments, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
-                )
-            )  # fmt: skip
+            result = predict(dataclasses.replace(given, workers=n, bandwidth_bps=rate))
             click.echo(
                 f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
                 f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
             )
+
+
+def _header(s) -> str:
+    """What is planned, in one line: the model, codecs, topology, compute, links, exchanges and
+    psgrad's own CPU time a layer."""
+    from ..plan import own_layer_overhead_s
+
+    params = sum(math.prod(shape) for shape in s.shapes)
+    own = own_layer_overhead_s(s)
+    return (
+        f"{params / 1e6:,.1f} M parameters, {s.codec} up, {s.down_codec} down, {s.topology}, compute "
+        f"{s.compute_s * 1e3:.1f} ms a step, RTT {s.rtt_s * 1e3:g} ms (modelled)"
+        + (f", fan-in efficiency {s.fan_in_efficiency:g}" if s.fan_in_efficiency < 1 else "")
+        + f", local steps {s.local_steps}"
+        + (f" in {s.fragments} fragments" if s.fragments > 1 else "")
+        + (f" overlapped by {s.overlap_steps or s.local_steps}" if s.overlap_exchange else "")
+        + (f", psgrad's own {own * 1e3:.2g} ms a layer" if own else "")
+    )
 
 
 def _check(
