@@ -123,7 +123,7 @@ class Scenario:
     efficiency: float = EFFICIENCY
     fan_in_efficiency: float = 1.0  # FAN_IN_EFFICIENCY: this machine's shaped links
     overlap: float | None = None  # None: ``overlap_of(topology)``
-    layer_overhead_s: float | None = None  # psgrad's own seconds a layer an exchange; None: measured here
+    layer_overhead_s: float | None = None  # psgrad's own seconds a layer an exchange; None: own_layer_overhead_s
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import click
 
 from ..choices import MODEL_NAMES
 from .group import main
+
+if TYPE_CHECKING:  # the model loads torch: not for --help
+    from ..plan import Scenario
 
 
 def _numbers(kind: type, what: str):
@@ -196,7 +200,7 @@ def plan(
             )
 
 
-def _header(s) -> str:
+def _header(s: Scenario) -> str:
     """What is planned, in one line: the model, codecs, topology, compute, links, exchanges and
     psgrad's own CPU time a layer."""
     from ..plan import own_layer_overhead_s
