@@ -35,9 +35,13 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
    exchange comes every H-th step and waits: ``compute + (coding + link + latency) / H``; with
    ``overlap_exchange`` it runs beside the steps until its reply is taken, tau (``overlap_steps``,
    H by default), less one: ``compute + (coding + max(0, link + latency - (tau-1) x compute)) / H``.
-   With F fragments (``fragments``) each exchange moves link / F, F times in H steps, each with
-   its own latency and tau: ``compute + (coding + F x max(0, link / F + latency - (tau-1) x
+   With F fragments (``fragments``) each exchange is F turns in H steps, each with its own
+   latency and tau: ``compute + (coding + sum over turns of max(0, turn + latency - (tau-1) x
    compute)) / H``, and never less than the link's share, ``(link - H x compute) / H``, a step.
+   A turn moves link / F, except where every rank serves a shard (colocated): a fragment's layers
+   need not split evenly over the ranks, and its turn lasts as long as the serial path through
+   the rank serving most of it, its workers' pushes in and then its replies out
+   (``fragment_turn_bytes``).
 7. psgrad adds its own CPU work, a fixed cost for each layer an exchange moves (its hooks, the
    codec's calls, the messages, serving its share, applying the reply), whatever the layer's
    size: ``layer_overhead_s`` x the layers, once an exchange (every H-th step). By default
@@ -201,6 +205,7 @@ class Exchange:
     reply_coded: bool  # whether the reply is the codec's own (no down-link of its own)
     all_reduce: bool = False  # torch DDP: its own ring, no psgrad bookkeeping
     serves: bool = True  # a rank that works also serves (decodes the others' messages)
+    sharded: bool = False  # every rank serves a shard of the layers (colocated)
 
 
 def _ring_all_reduce(n: int, coded: float) -> float:
@@ -216,7 +221,11 @@ EXCHANGES = {
         serves=False,
     ),
     "colocated": Exchange(
-        lambda n, servers, up, down: (n - 1) / n * (up + down), lambda n: n - 1, lambda n, rounds: rounds, False
+        lambda n, servers, up, down: (n - 1) / n * (up + down),
+        lambda n: n - 1,
+        lambda n, rounds: rounds,
+        False,
+        sharded=True,
     ),
     "alltoall": Exchange(lambda n, servers, up, down: (n - 1) * up, lambda n: n - 1, lambda n, rounds: rounds, True),
     "ring": Exchange(lambda n, servers, up, down: 2 * up, lambda n: min(2, n - 1), lambda n, rounds: 0.5, True),
@@ -257,6 +266,34 @@ def link_bytes(s: Scenario) -> float:
     reply = _reply(s)
     down = 4.0 * _elements(s.shapes) if reply == "none" else coded_bytes(reply, s.shapes)
     return exchange.busiest(s.workers, s.servers, up, down)
+
+
+def fragment_turn_bytes(s: Scenario) -> list[float]:
+    """Bytes on each fragment's turn (module docstring, 6): ``link_bytes`` / F where the layers'
+    servers are not the workers; with a shard on every rank, the serial path through the rank that
+    serves most of the fragment:
+
+    1. psgrad's layer plan for N serving ranks (``protocol.plan_layers``, sharded by coded bytes)
+       and its fragments (``engine.local.fragment_of``);
+    2. for each fragment and serving rank, (N - 1) x (a worker's push + the reply) of the layers
+       it serves: the other workers' pushes come in, then its replies go out to each of them;
+    3. the largest of them, the turn's bytes.
+    """
+    if s.fragments == 1 or not exchange_of(s.topology).sharded:
+        return [link_bytes(s) / s.fragments] * s.fragments
+    from .engine.local import fragment_of
+
+    named = [(f"p{i}", tuple(shape)) for i, shape in enumerate(s.shapes)]
+    layers = plan_layers(named, granularity="layer", owners=s.workers, bucket_vectors=True, codec_spec=s.codec)
+    fragment = fragment_of(layers, s.fragments)
+    reply = _reply(s)
+    served = [[0.0] * s.workers for _ in range(s.fragments)]
+    for layer in layers:
+        shape = tuple(layer.shape)
+        pushed = message_bytes(s.codec if layer.compress else "none", shape)
+        replied = message_bytes(reply if layer.compress else "none", shape)
+        served[fragment[layer.index]][layer.owner] += (s.workers - 1) * (pushed + replied)
+    return [max(ranks) for ranks in served]
 
 
 def latency_s(s: Scenario) -> float:
@@ -314,7 +351,8 @@ def plan(s: Scenario) -> Plan:
     elif s.overlap_exchange:
         hidden_behind = (s.overlap_steps or h) - 1
         f = s.fragments
-        waited = max(0.0, link / f + latency - hidden_behind * s.compute_s) * f / h
+        turns = [link * turn / moved for turn in fragment_turn_bytes(s)] if moved else [0.0] * f
+        waited = sum(max(0.0, turn + latency - hidden_behind * s.compute_s) for turn in turns) / h
         waited = max(waited, (link - h * s.compute_s) / h)  # the link carries the model once in H steps
         share = waited / (link + f * latency) if link + latency > 0 else 0.0
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link * share, "latency": f * latency * share}

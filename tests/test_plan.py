@@ -8,7 +8,16 @@ from click.testing import CliRunner
 
 from psgrad.cli import main
 from psgrad.comm import wire
-from psgrad.plan import PSGRAD_LAYER_OVERHEAD_S, SERVING_SHARE, Scenario, coded_bytes, link_bytes, message_bytes, plan
+from psgrad.plan import (
+    PSGRAD_LAYER_OVERHEAD_S,
+    SERVING_SHARE,
+    Scenario,
+    coded_bytes,
+    fragment_turn_bytes,
+    link_bytes,
+    message_bytes,
+    plan,
+)
 
 SHAPES = [(64, 32, 3, 3), (128, 64, 3, 3), (10, 128), (64,), (128,), (10,)]
 ELEMENTS = sum(math.prod(shape) for shape in SHAPES)
@@ -125,6 +134,24 @@ def test_psgrads_own_cost_is_per_layer_not_per_byte_and_once_an_exchange():
     assert given.parts["overhead"] == pytest.approx(0.04) and given.step_s == pytest.approx(sum(given.parts.values()))
     with pytest.raises(ValueError, match="layer_overhead_s"):
         plan(Scenario(shapes=big, layer_overhead_s=-1.0))
+
+
+def test_a_fragment_served_by_one_rank_takes_its_serial_path():
+    # two equal layers on two ranks: each fragment's layer is served by one rank, so its turn is
+    # the other worker's push in, then the dense reply out, where an even split halves them
+    shapes = [(256, 128, 3, 3), (256, 128, 3, 3), (256,), (256,)]
+    s = Scenario(shapes=shapes, codec="qsgd:levels=16", topology="colocated", fragments=2, local_steps=2)
+    layer = (256, 128, 3, 3)
+    serial = message_bytes("qsgd:levels=16", layer) + message_bytes("none", layer)
+    turns = fragment_turn_bytes(s)
+    assert turns[1] == pytest.approx(serial) and turns[0] == pytest.approx(serial + 2 * message_bytes("none", (512,)))
+    assert sum(turns) == pytest.approx(2 * link_bytes(s), rel=0.01)
+    ps = Scenario(shapes=shapes, codec="qsgd:levels=16", topology="ps", fragments=2, local_steps=2)
+    assert fragment_turn_bytes(ps) == [link_bytes(ps) / 2] * 2
+    # overlapped by one step (nothing hidden), the run waits for both whole turns
+    overlapped = plan(Scenario(**{**s.__dict__, "overlap_exchange": True, "overlap_steps": 1, "bandwidth_bps": 1e6}))
+    seconds = sum(turns) * 8 / 1e6
+    assert overlapped.parts["link"] == pytest.approx(seconds / 2)
 
 
 def test_a_ring_all_reduce_waits_for_a_round_trip_per_rank():
