@@ -13,6 +13,12 @@ Every cell is predicted with this machine's fan-in efficiency (plan.FAN_IN_EFFIC
 ranks share the 2 cores, each rank's own CPU work a layer (plan.own_layer_overhead_s) slows as
 its compute does: it is scaled by the compute-only step of N workers over that of 2.
 
+Last, two link-bound ResNet-20 cells from the EPYC VM, the runs that showed the link moving
+during psgrad's own work as well as during compute (plan.py, module docstring, 6):
+`psgrad bench --model resnet20 --batch-size 8 --steps 32 --warmup-steps 4 --repeat 2 --bandwidth 10mbit
+--codecs "powersgd:rank=2 --topology colocated;qsgd:levels=16 --feedback ef --down-codec qsgd:levels=16
+--topology colocated" --baselines compute`.
+
 Usage: python benchmarks/plan-validation.py
 """
 
@@ -128,6 +134,16 @@ SCALED = [  # (row, options, workers, compute-only step, measured x compute-only
 ]
 
 
+LINK_BOUND = [  # ResNet-20, 2 workers, 10 Mbit/s, compute-only 34.67 it/s
+    ("ResNet-20 powersgd:rank=2 colocated, 2 workers", dict(codec="powersgd:rank=2"), 16.90 / 34.67),
+    (
+        "ResNet-20 qsgd:levels=16 EF both ways, colocated",
+        dict(codec="qsgd:levels=16", down_codec="qsgd:levels=16"),
+        11.44 / 34.67,
+    ),
+]
+
+
 def show(row: str, scenario: Scenario, measured: float) -> None:
     predicted = plan(scenario).utilisation
     print(
@@ -155,3 +171,6 @@ for row, options, workers, step, measured in SCALED:
     )
     shared = step / (SCALING[2][0] / 1e3)  # N ranks on 2 cores: each rank's CPU work slows alike
     show(row, dataclasses.replace(scenario, layer_overhead_s=own_layer_overhead_s(scenario) * shared), measured)
+for row, options, measured in LINK_BOUND:
+    shared = dict(shapes=RESNET20, workers=2, bandwidth_bps=10e6, compute_s=1 / 34.67, topology="colocated")
+    show(row, Scenario(**shared, fan_in_efficiency=FAN_IN_EFFICIENCY, **options), measured)

@@ -27,11 +27,12 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
 5. Coding: the worker encodes its gradient and decodes the reply, 4 bytes an element at each
    codec's measured round-trip rate (``CODE_GBPS``, what ``psgrad codecs`` measures; the reply's
    codec is the down-link's, PowerSGD's own for PowerSGD, none for dense values).
-6. The step: per-step exchanges overlap the link with the part of compute they run beside
-   (``overlap`` x compute; ``overlap_of``: psgrad's pushes from backward hooks and pulls before
-   each layer's forward hide most of a step, fitted on this machine's shaped runs; torch DDP's
-   PowerSGD hook, its gradients in one bucket, none; plain DDP, an assumption, half); what is left shows:
-   ``compute + coding + max(0, link - overlap x compute) + latency``. With H local steps the
+6. The step: per-step exchanges overlap the link with the part of the rank's work they run
+   beside (``overlap`` x (compute + psgrad's own work, 7); ``overlap_of``: psgrad's pushes from
+   backward hooks and pulls before each layer's forward hide most of a step, fitted on this
+   machine's shaped runs; torch DDP's PowerSGD hook, its gradients in one bucket, none; plain DDP,
+   an assumption, half); what is left shows: ``compute + coding + own + max(0, link - overlap x
+   (compute + own)) + latency``. With H local steps the
    exchange comes every H-th step and waits: ``compute + (coding + link + latency) / H``; with
    ``overlap_exchange`` it runs beside the steps until its reply is taken, tau (``overlap_steps``,
    H by default), less one: ``compute + (coding + max(0, link + latency - (tau-1) x compute)) / H``.
@@ -344,9 +345,11 @@ def plan(s: Scenario) -> Plan:
     incast = s.fan_in_efficiency if exchange.senders(s.workers) > 1 else 1.0
     link = moved * 8 / (s.bandwidth_bps * s.efficiency * incast)
     latency, coding, h = latency_s(s), coding_s(s), s.local_steps
+    own = own_layer_overhead_s(s) * len(exchanged_layers(s.shapes)) / h
     if h == 1:
         overlap = overlap_of(s.topology) if s.overlap is None else s.overlap
-        exposed_link = max(0.0, link - overlap * s.compute_s)
+        # the link moves while the rank computes and while it does its own message work
+        exposed_link = max(0.0, link - overlap * (s.compute_s + own))
         parts = {"compute": s.compute_s, "coding": coding, "link": exposed_link, "latency": latency}
     elif s.overlap_exchange:
         hidden_behind = (s.overlap_steps or h) - 1
@@ -359,7 +362,7 @@ def plan(s: Scenario) -> Plan:
     else:
         f = s.fragments
         parts = {"compute": s.compute_s, "coding": coding / h, "link": link / h, "latency": f * latency / h}
-    parts["overhead"] = own_layer_overhead_s(s) * len(exchanged_layers(s.shapes)) / h
+    parts["overhead"] = own
     step = sum(parts.values())
     extra = max((name for name in parts if name != "compute"), key=parts.get)
     bottleneck = extra if parts[extra] >= 0.1 * s.compute_s else "compute"

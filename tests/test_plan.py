@@ -130,6 +130,10 @@ def test_psgrads_own_cost_is_per_layer_not_per_byte_and_once_an_exchange():
     ps = plan(Scenario(shapes=big, topology="ps", compute_s=0.1)).parts["overhead"]
     assert ps == pytest.approx(4 * PSGRAD_LAYER_OVERHEAD_S * (1 - SERVING_SHARE))
     assert plan(Scenario(shapes=big, topology="ddp")).parts["overhead"] == 0  # torch's own all-reduce
+    # the link moves during the rank's own work as well as during its compute
+    slow = Scenario(shapes=big, topology="colocated", compute_s=0.1, bandwidth_bps=1e6, layer_overhead_s=0.01)
+    exposed = link_bytes(slow) * 8 / 1e6 - 0.85 * (0.1 + 0.04)
+    assert plan(slow).parts["link"] == pytest.approx(exposed)
     given = plan(Scenario(shapes=big, compute_s=0.1, layer_overhead_s=0.01))
     assert given.parts["overhead"] == pytest.approx(0.04) and given.step_s == pytest.approx(sum(given.parts.values()))
     with pytest.raises(ValueError, match="layer_overhead_s"):
