@@ -172,5 +172,5 @@ for row, options, workers, step, measured in SCALED:
     shared = step / (SCALING[2][0] / 1e3)  # N ranks on 2 cores: each rank's CPU work slows alike
     show(row, dataclasses.replace(scenario, layer_overhead_s=own_layer_overhead_s(scenario) * shared), measured)
 for row, options, measured in LINK_BOUND:
-    shared = dict(shapes=RESNET20, workers=2, bandwidth_bps=10e6, compute_s=1 / 34.67, topology="colocated")
-    show(row, Scenario(**shared, fan_in_efficiency=FAN_IN_EFFICIENCY, **options), measured)
+    run = dict(shapes=RESNET20, workers=2, bandwidth_bps=10e6, compute_s=1 / 34.67, topology="colocated")
+    show(row, Scenario(**run, fan_in_efficiency=FAN_IN_EFFICIENCY, **options), measured)

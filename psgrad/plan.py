@@ -177,19 +177,23 @@ def message_bytes(spec: str, shape: tuple[int, ...]) -> float:
     return bound * coded / wire.max_message_bytes(spec, sample)
 
 
-def exchanged_layers(shapes: Sequence[tuple[int, ...]]) -> list:
+def exchanged_layers(shapes: Sequence[tuple[int, ...]], *, owners: int = 1, codec_spec: str | None = None) -> list:
     """The layers psgrad's run plans for ``shapes`` (``protocol.plan_layers``): one message each,
-    the 1-D parameters dense in one bucket."""
-    return plan_layers(
-        [(f"p{i}", tuple(shape)) for i, shape in enumerate(shapes)], granularity="layer", owners=1, bucket_vectors=True
-    )
+    the 1-D parameters dense in one bucket, sharded over ``owners`` serving ranks as a run with
+    ``codec_spec`` shards them."""
+    named = [(f"p{i}", tuple(shape)) for i, shape in enumerate(shapes)]
+    return plan_layers(named, granularity="layer", owners=owners, bucket_vectors=True, codec_spec=codec_spec)
+
+
+def _layer_bytes(spec: str, layer) -> float:
+    """A typical message of ``layer`` under ``spec``; a layer psgrad never compresses goes dense."""
+    return message_bytes(spec if layer.compress else "none", tuple(layer.shape))
 
 
 def coded_bytes(spec: str, shapes: Sequence[tuple[int, ...]]) -> float:
     """Bytes of one worker's coded gradient of ``shapes`` under ``spec``: each layer psgrad's run
     plans (``exchanged_layers``), a typical message of its shape (``message_bytes``)."""
-    layers = exchanged_layers(shapes)
-    return sum(message_bytes(spec if layer.compress else "none", tuple(layer.shape)) for layer in layers)
+    return sum(_layer_bytes(spec, layer) for layer in exchanged_layers(shapes))
 
 
 def _rounds(spec: str) -> int:
@@ -284,16 +288,13 @@ def fragment_turn_bytes(s: Scenario) -> list[float]:
         return [link_bytes(s) / s.fragments] * s.fragments
     from .engine.local import fragment_of
 
-    named = [(f"p{i}", tuple(shape)) for i, shape in enumerate(s.shapes)]
-    layers = plan_layers(named, granularity="layer", owners=s.workers, bucket_vectors=True, codec_spec=s.codec)
+    layers = exchanged_layers(s.shapes, owners=s.workers, codec_spec=s.codec)
     fragment = fragment_of(layers, s.fragments)
     reply = _reply(s)
     served = [[0.0] * s.workers for _ in range(s.fragments)]
     for layer in layers:
-        shape = tuple(layer.shape)
-        pushed = message_bytes(s.codec if layer.compress else "none", shape)
-        replied = message_bytes(reply if layer.compress else "none", shape)
-        served[fragment[layer.index]][layer.owner] += (s.workers - 1) * (pushed + replied)
+        pushed_and_replied = _layer_bytes(s.codec, layer) + _layer_bytes(reply, layer)
+        served[fragment[layer.index]][layer.owner] += (s.workers - 1) * pushed_and_replied
     return [max(ranks) for ranks in served]
 
 
