@@ -52,21 +52,30 @@ def config_difference(mine: dict, theirs: dict) -> list[str]:
     ]
 
 
+def agree_on_errors(transport: Channel, error: str | None, kind: str = "usage error") -> None:
+    """Return when no rank has an error (step 1 of the module doc; collective): a rank passes its
+    message or None; when any rank has one, the lowest such rank prints it and every rank raises
+    ``AgreementError``. ``kind`` names the error where it is printed."""
+    if transport.size == 1:
+        if error is not None:
+            print(f"[psgrad] {kind}: {error}", file=sys.stderr, flush=True)
+            raise AgreementError(error)
+        return
+    first = _first(transport, error is not None)
+    if first is not None:
+        if first == transport.rank:
+            print(f"[psgrad rank {first}] {kind}: {error}", file=sys.stderr, flush=True)
+        raise AgreementError(f"rank {first} has a {kind}")
+
+
 def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error") -> None:
     """Return when every rank is free of usage errors and runs rank 0's config (see module doc).
 
     A rank with a usage error passes its message (and ``cfg=None`` if it has none); it raises.
     ``kind`` names the error where it is printed (a "data error": an unreadable dataset)."""
+    agree_on_errors(transport, usage_error, kind)
     if transport.size == 1:
-        if usage_error is not None:
-            print(f"[psgrad] {kind}: {usage_error}", file=sys.stderr, flush=True)
-            raise AgreementError(usage_error)
         return
-    first = _first(transport, usage_error is not None)
-    if first is not None:
-        if first == transport.rank:
-            print(f"[psgrad rank {first}] {kind}: {usage_error}", file=sys.stderr, flush=True)
-        raise AgreementError(f"rank {first} has a {kind}")
     mine = json.loads(cfg.to_json())
     theirs = json.loads(transport.broadcast_bytes(cfg.to_json().encode() if transport.rank == 0 else None))
     differences = config_difference(mine, theirs)
@@ -83,15 +92,23 @@ def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = N
 
 
 def read_agreed(
-    cfg: RunConfig, transport: Channel, read: Callable[[], T], *, problems: tuple[type[Exception], ...]
+    transport: Channel,
+    read: Callable[[], T],
+    *,
+    problems: tuple[type[Exception], ...],
+    cfg: RunConfig | None = None,
 ) -> T | None:
     """``read()`` on every rank, then agree (collective): a read that fails with one of
     ``problems`` (a dataset that cannot serve the run, a missing file) is one error for the job,
     said once by the lowest rank that has it, and ``AgreementError`` on every rank; not a
-    traceback per rank."""
+    traceback per rank. With ``cfg`` the ranks also agree on it (a job whose settings nothing
+    agreed on yet); without, only on the read (a run's settings are agreed at its start)."""
     try:
         result, problem = read(), None
     except problems as err:
         result, problem = None, str(err)
-    agree(transport, None if problem else cfg, problem, "data error")
+    if cfg is None:
+        agree_on_errors(transport, problem, "data error")
+    else:
+        agree(transport, None if problem else cfg, problem, "data error")
     return result

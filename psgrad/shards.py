@@ -86,7 +86,7 @@ def rank_data(
                 loader = shard_loader(cfg, worker=index, workers=workers)
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None
 
-    loader, test_set = read_agreed(cfg, transport, read, problems=(DataError, FileNotFoundError))
+    loader, test_set = read_agreed(transport, read, problems=(DataError, FileNotFoundError))
     spe = int(transport.allreduce_sum([loader.steps_per_epoch if loader else 0])[0] // layout.num_workers)
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * spe))
     label = cfg.dataset_label if loader_fn is None else "custom data"

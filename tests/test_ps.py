@@ -279,6 +279,45 @@ def test_settings_of_a_rank_own_are_not_a_mismatch():
     assert config_difference({**base, "lr": 0.2}, base) == ["--lr 0.2 here, 0.1 on rank 0"]
 
 
+class _Rank1Of2:
+    """Rank 1 of two whose peer has no error and runs the same settings: records each collective."""
+
+    rank, size = 1, 2
+
+    def __init__(self, cfg) -> None:
+        self.cfg, self.calls = cfg, []
+
+    def allreduce_sum(self, values):
+        self.calls.append("allreduce")
+        return list(values)  # rank 0 contributes zeros: only this rank's flags
+
+    def broadcast_bytes(self, data):
+        self.calls.append("broadcast")
+        return self.cfg.to_json().encode()
+
+
+def test_a_read_agrees_on_settings_only_when_asked():
+    """A run's data read agrees on its errors alone (the settings were agreed at start-up: one
+    allreduce, no broadcast of the config); a job that agreed on nothing yet also compares its
+    settings; and a failed read is an AgreementError, not a traceback."""
+    from psgrad.agreement import AgreementError, read_agreed
+    from psgrad.config import RunConfig
+
+    cfg = RunConfig()
+    channel = _Rank1Of2(cfg)
+    assert read_agreed(channel, lambda: "data", problems=(ValueError,)) == "data"
+    assert channel.calls == ["allreduce"]
+    channel.calls.clear()
+    assert read_agreed(channel, lambda: "data", problems=(ValueError,), cfg=cfg) == "data"
+    assert channel.calls == ["allreduce", "broadcast", "allreduce"]
+
+    def fails():
+        raise ValueError("unreadable")
+
+    with pytest.raises(AgreementError, match="rank 1 has a data error"):
+        read_agreed(channel, fails, problems=(ValueError,))
+
+
 # (topology, failing worker index, its rank): the last is rank 0, the watchdog's monitor itself
 FAILING = [("ps", "1", 2), ("colocated", "1", 1), ("colocated", "0", 0)]
 

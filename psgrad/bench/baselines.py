@@ -253,7 +253,7 @@ def run_baseline(kind: str, cfg: RunConfig, steps: int, powersgd_rank: int = 2) 
         return model, loader, load_split(cfg, "test") if evaluates else None
 
     # as psgrad's own runs: an unreadable dataset is one line for the job
-    model, loader, test = read_agreed(cfg, transport, read, problems=(DataError, FileNotFoundError))
+    model, loader, test = read_agreed(transport, read, problems=(DataError, FileNotFoundError), cfg=cfg)
     # the mean shard, as psgrad's runs agree on it
     spe = int(transport.allreduce_sum([loader.steps_per_epoch])[0] // workers)
 
