@@ -2,6 +2,7 @@
 formulas of each topology, local steps, and the command's table and errors."""
 
 import math
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -167,17 +168,22 @@ def test_a_ring_all_reduce_waits_for_a_round_trip_per_rank():
 
 def test_the_command_prints_a_row_per_workers_and_link():
     done = CliRunner().invoke(
-        main, ["plan", "--model", "mlp", "--step-ms", "50", "--workers", "2,8", "--bandwidth", "1gbit,10mbit"]
+        main, ["plan", "--model", "mlp", "--step-ms", "50", "--workers", "2,8", "--bandwidth", "100gbit,10mbit"]
     )
     assert done.exit_code == 0, done.output
-    rows = [line.split() for line in done.output.splitlines()[2:]]
+    lines = done.output.splitlines()[1:]
+    rows = [line.split() for line in lines[1:]]
     assert [(r[0], r[1] + r[2]) for r in rows] == [
-        ("2", "1Gbit/s"),
+        ("2", "100Gbit/s"),
         ("2", "10Mbit/s"),
-        ("8", "1Gbit/s"),
+        ("8", "100Gbit/s"),
         ("8", "10Mbit/s"),
     ]
     assert float(rows[0][4]) > float(rows[1][4])  # a faster link, more of compute
+    # every figure ends under its heading's end, the widest link too
+    ends = [m.end() for m in re.finditer(r"\S+(?: \S+)*", lines[0])][:4]
+    for line in lines[1:]:
+        assert [m.end() for m in re.finditer(r"\S+(?: \S+)?", line)][:4] == ends, "\n".join(lines)
 
 
 def test_a_link_bound_cell_keeps_its_figure():

@@ -190,12 +190,12 @@ def plan(
         layer_overhead_s=None if layer_overhead_ms is None else layer_overhead_ms / 1e3,
     )  # fmt: skip
     click.echo(_header(given))
-    click.echo(f"{'workers':>7}  {'link':>9}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
+    click.echo(f"{'workers':>7}  {'link':>11}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
     for n in workers:
         for rate in bandwidth:
             result = predict(dataclasses.replace(given, workers=n, bandwidth_bps=rate))
             click.echo(
-                f"{n:>7}  {_rate(rate):>9}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
+                f"{n:>7}  {_rate(rate):>11}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
                 f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
             )
 
