@@ -92,3 +92,13 @@ def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
         assert "one DistributedOptimizer per process" in result["second_optimizer"], result
         assert result["went_on"] == "yes"
         assert result["broadcast_lr"] == 0.123 and result["momentum_buffers"] == 6, result  # every worker
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_worker_that_stops_early_ends_the_job_with_an_error_not_a_hang(tmp_path, topology):
+    """One worker takes a step more than the other: its gradients of that step can never be summed.
+    The server that sees it names the stopped rank and the rule, and the whole job ends."""
+    proc = run_script("userloop.py", str(tmp_path), "uneven", topology, "none", n=RANKS[topology], timeout=120)
+    assert proc.returncode != 0
+    assert "stopped training before its gradients of step" in proc.stderr, proc.stderr[-3000:]
+    assert "every worker must take the same number of steps" in proc.stderr

@@ -71,6 +71,8 @@ class SyncServer(ServerBase):
 
     def _on_grad(self, worker: int, layer: Layer, msg: Message) -> None:
         index = layer.index
+        if len(self.active) < self.num_workers:  # a step that can never be complete
+            self._stopped_early(stopped=min(set(self.workers) - self.active), step=msg.step)
         if self.sums and self.count[index] == 0 and not self.held[index]:
             # your loop counts the steps: a sum takes the step of its first gradient (a loop that
             # loaded a checkpoint goes on from its step), and every other worker's must match it
@@ -107,6 +109,22 @@ class SyncServer(ServerBase):
             self.acc[index].zero_()
         if all(self.layer_step[i] > msg.step for i in self.layer_step):
             self.completed_step = msg.step
+
+    def _on_stop(self, worker: int) -> None:
+        """A worker is done: fine between steps; with a step partly summed, the others would wait
+        for ever for its gradients, so it is an error."""
+        partial = [index for index in self.count if self.count[index] or self.held[index]]
+        if partial:
+            self._stopped_early(stopped=worker, step=self.layer_step[partial[0]])
+        super()._on_stop(worker)
+
+    def _stopped_early(self, *, stopped: int, step: int) -> None:
+        """Raise: a worker stopped while another still sends gradients (your own loop, uneven steps)."""
+        raise RuntimeError(
+            f"rank {stopped} stopped training before its gradients of step {step}, which the other workers "
+            "sent: every worker must take the same number of steps (psgrad.shard(data), or a "
+            "DistributedSampler with drop_last=True, gives every worker the same number of batches)"
+        )
 
     def _close_round(self, layer: Layer, msg: Message) -> bool:
         """Reply to a complete round of a multi-round layer; True after its last round, when the

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass, field, fields
 
@@ -81,10 +82,10 @@ def init(**settings) -> None:
     transport = Transport()
     layout = prepare(cfg, transport=transport)
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
+    sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
-    atexit.register(shutdown)
-    sys.excepthook = _end_job_on_error(sys.excepthook)
+    atexit.register(_shutdown_at_exit)
 
 
 def _end_job_on_error(previous):
@@ -97,6 +98,17 @@ def _end_job_on_error(previous):
         abort_if_running(1)
 
     return hook
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown`` as the script ends: an error there (a worker that stopped while the others
+    still send gradients) ends the whole job, where Python would only print it and exit 0."""
+    try:
+        shutdown()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        abort_if_running(1)
 
 
 def world() -> World:
