@@ -9,7 +9,10 @@ everything the rest of psgrad needs to know of it:
    type and the check ``value_problem`` that ``RunConfig.validate`` runs on every setting, so a
    config built in Python or read from config.json is held to what the command line allows;
 3. when it means nothing (``unused``: rules ``cfg -> why or None``), from which comes the refusal
-   of an option the command line set for a run that would ignore it.
+   of an option the command line set for a run that would ignore it;
+4. whether it acts in your own training loop (``your_loop``): ``psgrad.init`` takes only those,
+   and refuses the settings of psgrad's loop (model, data, optimizer, logging, ...), which yours
+   would silently ignore.
 
 Rules that link settings to each other stay in ``RunConfig.validate`` or in the topology that
 owns them. Pure Python: no click, no torch.
@@ -49,6 +52,7 @@ class Setting:
     high_open: bool = False
     path: str | None = None  # "dir": a directory made if missing; "existing-dir": one that must exist
     unused: tuple[UnusedRule, ...] = ()
+    your_loop: bool = False  # psgrad.init takes it (psgrad.userloop)
 
 
 def setting(
@@ -63,6 +67,7 @@ def setting(
     high_open: bool = False,
     path: str | None = None,
     unused: Sequence[UnusedRule] = (),
+    your_loop: bool = False,
 ) -> Any:
     """A dataclass field of default ``default`` that carries its ``Setting`` (see the module)."""
     if section not in SECTIONS:
@@ -77,6 +82,7 @@ def setting(
         high_open=high_open,
         path=path,
         unused=tuple(unused),
+        your_loop=your_loop,
     )
     return dataclasses.field(default=default, metadata={"setting": meta})
 

@@ -246,5 +246,7 @@ def test_the_servers_apply_the_outer_optimizer_and_the_workers_their_own():
 def test_your_own_loop_says_where_local_steps_run():
     import psgrad
 
-    with pytest.raises(ValueError, match="local_steps is psgrad train's"):
+    with pytest.raises(
+        ValueError, match=r"local_steps is a setting of psgrad's own loop \(psgrad train, or psgrad.train.run"
+    ):
         psgrad.init(local_steps=4)

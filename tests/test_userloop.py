@@ -9,9 +9,15 @@ psgrad's own loop (``psgrad.train.run``) on the same data.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from conftest import run_script
+
+import psgrad
+from psgrad.config import RunConfig
+from psgrad.settings import settings_of
 
 RANKS = {"ps": 3, "colocated": 2}  # ps: one server and two workers; colocated: two of both
 
@@ -94,6 +100,13 @@ def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
         assert result["broadcast_lr"] == 0.123 and result["momentum_buffers"] == 6, result  # every worker
 
 
+def test_set_epoch_drives_dgcs_sparsity_warm_up(tmp_path):
+    """Top-k 1 % in DGC's memory, warmed up over 2 epochs: epoch 0 sends a denser top-k (25 %)
+    than the final one, which ``set_epoch(2)`` reaches."""
+    for result in _results(tmp_path, "warmup", "ps", "topk:ratio=0.01", "dgc"):  # every layer on the wire
+        assert result["epoch0"] > 5 * result["after"], result
+
+
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
 def test_a_worker_that_stops_early_ends_the_job_with_an_error_not_a_hang(tmp_path, topology):
     """One worker takes a step more than the other: its gradients of that step can never be summed.
@@ -102,3 +115,33 @@ def test_a_worker_that_stops_early_ends_the_job_with_an_error_not_a_hang(tmp_pat
     assert proc.returncode != 0
     assert "stopped training before its gradients of step" in proc.stderr, proc.stderr[-3000:]
     assert "every worker must take the same number of steps" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"lr": 0.5}, "lr is a setting of psgrad's own loop"),
+        ({"epochs": 3, "log_dir": "runs/x"}, "epochs, log_dir are settings of psgrad's own loop"),
+        ({"timeout": 5}, "timeout is a setting of psgrad's own loop"),
+        ({"serve_thread": True}, "serve_thread is a setting of psgrad's own loop"),
+        ({"nesterov": True}, "nesterov is DGC's momentum correction here: it needs feedback='dgc'"),
+        ({"dgc_momentum": 0.5}, "--dgc-momentum is DGC's: it means nothing without --feedback dgc"),
+        ({"topology": "ring"}, "topology must be one of ps, colocated"),
+        ({"mode": "async"}, "mode must be sync"),
+        ({"learning_rate": 0.1}, "unknown setting"),
+    ],
+)
+def test_init_refuses_a_setting_your_loop_would_ignore(settings, says):
+    """Before it joins any job: a setting of psgrad's own loop, or one its own rules call unused,
+    is a ValueError naming it; psgrad would otherwise drop it without a word."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        psgrad.init(**{"topology": "colocated", **settings})
+    assert psgrad.userloop.world._WORLD is None
+
+
+def test_docs_name_every_setting_init_takes():
+    """docs/api.md lists exactly the settings table's ``your_loop`` settings."""
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    listed = re.search(r"Its keywords are (.*?)\. ", text, re.DOTALL).group(1)
+    named = set(re.findall(r"`(\w+)=`", listed))
+    assert named == {name for name, (_, meta) in settings_of(RunConfig).items() if meta.your_loop}

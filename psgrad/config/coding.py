@@ -44,17 +44,20 @@ class CodecSettings:
         "none",
         section=CODEC,
         help="Gradient codec spec, e.g. qsgd:levels=16 or topk:ratio=0.01 (every codec: psgrad codecs --list).",
+        your_loop=True,
     )
     down_codec: str = setting(
         "none",
         section=CODEC,
         help="Server-to-worker codec: none sends each layer's new value; any other codec sends the encoded change since what the workers hold, the server keeping the rest for later steps (error feedback).",
+        your_loop=True,
     )
     feedback: str = setting(
         "none",
         section=CODEC,
         choices=FEEDBACKS,
         help="Worker-side memory around the codec: error feedback or DGC.",
+        your_loop=True,
     )
     dgc_momentum: float = setting(
         0.9,
@@ -64,6 +67,7 @@ class CodecSettings:
         high_open=True,
         unused=(_dgc_only("--dgc-momentum"),),
         help="DGC: momentum kept on the workers (use --momentum 0).",
+        your_loop=True,
     )
     dgc_clip_norm: float | None = setting(
         None,
@@ -72,6 +76,7 @@ class CodecSettings:
         low_open=True,
         unused=(_dgc_only("--dgc-clip-norm"),),
         help="DGC: local gradient clipping norm (default: off).",
+        your_loop=True,
     )
     dgc_warmup_epochs: int = setting(
         0,
@@ -79,18 +84,21 @@ class CodecSettings:
         low=0,
         unused=(_dgc_only("--dgc-warmup-epochs"), _warmup_needs_ratio),
         help="DGC: epochs of exponential sparsity warm-up (needs a codec with ratio).",
+        your_loop=True,
     )
     granularity: str = setting(
         "layer",
         section=CODEC,
         choices=("layer", "model"),
         help="One message per parameter tensor, or the whole model as one.",
+        your_loop=True,
     )
     push: str = setting(
         "backward",
         section=CODEC,
         choices=("backward", "after"),
         help="layer granularity: send each layer from backward as soon as its gradient is ready, or code all layers after backward and send them first layer first (the next forward starts on the first replies while the rest are in flight).",
+        your_loop=True,
     )
     bucket_vectors: bool = setting(
         True,
@@ -102,10 +110,12 @@ class CodecSettings:
             ),
         ),
         help="layer granularity: send all 1-D parameters (biases, norm scales and shifts) as one uncompressed message per step, or each as its own compressed layer.",
+        your_loop=True,
     )
     on_nonfinite: str = setting(
         "abort",
         section=CODEC,
         choices=NONFINITE_POLICIES,
         help="A NaN or Inf in a gradient or a server's sum: abort the job naming the step, rank and layer, or skip: drop that layer's update at that step on every rank (counted in metrics.csv's nonfinite).",
+        your_loop=True,
     )

@@ -102,6 +102,7 @@ class SystemSettings:
         0,
         section=SYSTEM,
         help="Seed of the model, data order, augmentation and codec randomness.",
+        your_loop=True,
     )
     timeout: float = setting(
         0.0,

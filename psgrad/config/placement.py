@@ -21,18 +21,21 @@ class TopologySettings:
         section=TOPOLOGY,
         choices=TOPOLOGIES.keys(),  # a live view: a topology registered later is a choice too
         help="ps: server ranks and worker ranks; colocated: every rank works and serves a shard of the layers (no extra server rank); alltoall: no server, every rank exchanges with every other; ring / torus: no server, every rank gossips with its ring or torus neighbours only (CHOCO-SGD).",
+        your_loop=True,
     )
     servers: int = setting(
         1,
         section=TOPOLOGY,
         low=1,
         help="--topology ps: server ranks (0..S-1); layers are sharded over them by size.",
+        your_loop=True,
     )
     mode: str = setting(
         "sync",
         section=TOPOLOGY,
         choices=("sync", "async"),
         help="sync: average all workers per step; async: apply each worker's gradient on arrival.",
+        your_loop=True,
     )
     staleness: int = setting(
         0,

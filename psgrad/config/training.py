@@ -64,6 +64,7 @@ class TrainingSettings:
             ),
         ),
         help="Nesterov momentum: the server's SGD's, or with --feedback dgc, DGC's momentum correction on the workers (--dgc-momentum).",
+        your_loop=True,  # DGC's: your loop refuses it without --feedback dgc (psgrad.userloop)
     )
     weight_decay: float = setting(
         0.0005,

@@ -73,6 +73,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         keeps = first and ctx.make_down_feedback() is not None
         self.memory_servers = [r for r in w.layout.server_ranks if not w.layout.is_worker(r)] if keeps else []
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)
+        self.set_epoch(0)  # DGC's warm-up starts where psgrad train's does
         if self.server is not None:
             self.server.start()
             # a colocated rank serves its shard between the other ranks' pushes: in the forward
@@ -148,6 +149,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "on their way to the servers; call step() (or synchronize()) first"
             )
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch your loop starts (call it at each one's start): ``dgc_warmup_epochs`` raises
+        DGC's sparsity by it, as ``psgrad train`` does; other settings do not follow epochs."""
+        self.worker.feedback.set_epoch(epoch)
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("psgrad's layer plan is fixed when the DistributedOptimizer is built: add groups before")

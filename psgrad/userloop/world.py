@@ -21,7 +21,7 @@ import json
 import sys
 import traceback
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
 from ..config import RunConfig
 from ..context import RunContext
+from ..options import refuse_unused
+from ..settings import settings_of
 from ..startup import prepare
 
 TOPOLOGIES = ("ps", "colocated")
@@ -61,24 +63,7 @@ def init(**settings) -> None:
     for name in set(settings) & set(RENAMED):  # renamed so that the name says its unit
         warnings.warn(f"psgrad.init: {name} is now {RENAMED[name]}", FutureWarning, stacklevel=2)
         settings[RENAMED[name]] = settings.pop(name)
-    known = {f.name for f in fields(RunConfig)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(
-            f"psgrad.init: unknown setting(s) {', '.join(unknown)}: the names are RunConfig's (docs/cli.md)"
-        )
-    cfg = RunConfig(**{"progress": False, **settings})
-    if cfg.topology not in TOPOLOGIES:
-        raise ValueError(
-            f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
-        )
-    if cfg.local_steps:
-        raise ValueError(
-            "psgrad.init: local_steps is psgrad train's (and psgrad.train.run's, whose optimizer_fn is then the "
-            "workers' inner optimizer); your own loop steps on the mean gradient every step"
-        )
-    if cfg.mode != "sync":
-        raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
+    cfg = _your_loop_config(settings)
     transport = Transport()
     layout = prepare(cfg, transport=transport)
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
@@ -86,6 +71,38 @@ def init(**settings) -> None:
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
     atexit.register(_shutdown_at_exit)
+
+
+def _your_loop_config(settings: dict) -> RunConfig:
+    """The run settings of ``init``'s keywords, refused with ValueError unless every one of them
+    acts in your loop (``your_loop`` in the settings table): the model, data, optimizer, schedule,
+    logging and checkpoints are your loop's own, and psgrad would silently ignore them."""
+    table = settings_of(RunConfig)
+    unknown = sorted(set(settings) - set(table))
+    if unknown:
+        raise ValueError(
+            f"psgrad.init: unknown setting(s) {', '.join(unknown)}: the names are RunConfig's (docs/cli.md)"
+        )
+    theirs = [name for name in settings if not table[name][1].your_loop]
+    if theirs:
+        raise ValueError(
+            f"psgrad.init: {', '.join(theirs)} {'is a setting' if len(theirs) == 1 else 'are settings'} of "
+            "psgrad's own loop (psgrad train, or psgrad.train.run with your model, data and optimizer) and would "
+            "mean nothing to yours, which has its own model, data, optimizer, schedule, precision and "
+            "checkpoints. psgrad.init takes: " + ", ".join(name for name, (_, meta) in table.items() if meta.your_loop)
+        )
+    if settings.get("nesterov") and settings.get("feedback") != "dgc":
+        raise ValueError("psgrad.init: nesterov is DGC's momentum correction here: it needs feedback='dgc'")
+    # the servers only sum: no momentum of theirs for DGC's (on the workers) to clash with
+    cfg = RunConfig(**{"progress": False, "momentum": 0.0, **settings}).validate()
+    if cfg.topology not in TOPOLOGIES:
+        raise ValueError(
+            f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
+        )
+    if cfg.mode != "sync":
+        raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
+    refuse_unused(list(settings), cfg)  # e.g. DGC's settings without feedback="dgc"
+    return cfg
 
 
 def _end_job_on_error(previous):

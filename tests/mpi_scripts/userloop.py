@@ -190,6 +190,24 @@ def scenario_scaler(model: nn.Module, opt) -> dict:
     return {"reference": largest_difference(model, reference(psgrad.num_workers()))}
 
 
+def scenario_warmup(model: nn.Module, opt) -> dict:
+    """DGC's sparsity warm-up (dgc_warmup_epochs=2, top-k 1 %): a worker's bytes in a step of
+    epoch 0, and in one once ``set_epoch`` passed the warm-up."""
+
+    def bytes_up(step: int) -> int:
+        opt.zero_grad()
+        images, labels = batch(psgrad.worker_index(), step)
+        F.cross_entropy(model(images), labels).backward()
+        opt.synchronize()
+        sent = opt.worker.stats.bytes_up
+        opt.step()
+        return sent
+
+    first = bytes_up(0)
+    opt.set_epoch(2)
+    return {"epoch0": first, "after": bytes_up(1)}
+
+
 def raised(action) -> str:
     try:
         action()
@@ -271,7 +289,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if scenario == "run":
         return psgrad_train(out, topology, codec, feedback)
-    psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down)
+    warmup = {"dgc_warmup_epochs": 2} if scenario == "warmup" else {}
+    psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **warmup)
     # only workers get here
     model = make_model()
     passes = 2 if scenario == "accumulate" else 1
@@ -289,6 +308,8 @@ def main() -> None:
         result = scenario_clip(model, opt)
     elif scenario == "scaler":
         result = scenario_scaler(model, opt)
+    elif scenario == "warmup":
+        result = scenario_warmup(model, opt)
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
         result = {}
