@@ -40,6 +40,7 @@ from .comm.envelope import Envelope, parse
 from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, upload_bound
 from .config import RunConfig
 from .feedback import feedback_for
+from .options import your_loop_config
 
 SETTINGS = ("seed", "bucket_vectors", "on_nonfinite", "dgc_momentum", "nesterov", "dgc_clip_norm", "dgc_warmup_epochs")
 """The ``RunConfig`` settings the hook takes besides the codec and feedback (docs/cli.md)."""
@@ -59,14 +60,11 @@ def ddp_hook(
     it, the hook takes them from its ``state`` when that is the model or the DDP wrapper:
     ``ddp.register_comm_hook(ddp, hook)``. ``group``: DDP's process group, when not the default.
     ``settings``: the run settings of ``SETTINGS``, as ``psgrad train`` takes them."""
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"psgrad.ddp_hook: no setting {', '.join(unknown)} (the hook takes {', '.join(SETTINGS)})")
-    cfg = RunConfig(codec=codec, feedback=feedback, progress=False, **settings)
-    try:
-        cfg.validate()
-    except ValueError as err:
-        raise ValueError(f"psgrad.ddp_hook: {err}") from None
+    cfg = your_loop_config(
+        {"codec": codec, "feedback": feedback, **settings},
+        caller="psgrad.ddp_hook",
+        takes=["codec", "feedback", *SETTINGS],
+    )
     return DDPHook(cfg, model=model, group=group)
 
 

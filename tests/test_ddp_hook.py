@@ -92,8 +92,11 @@ def test_the_hook_equals_psgrads_server_path_bit_for_bit(tmp_path, codec):
 def test_settings_are_held_to_the_command_lines_rules():
     with pytest.raises(ValueError, match="keeps its own error feedback"):
         psgrad.ddp_hook("powersgd:rank=2", feedback="ef")
-    with pytest.raises(ValueError, match="no setting lr"):
+    with pytest.raises(ValueError, match="psgrad.ddp_hook: lr is a setting of psgrad's own loop"):
         psgrad.ddp_hook("qsgd", lr=0.1)
+    with pytest.raises(ValueError, match="--dgc-momentum is DGC's: it means nothing without --feedback dgc"):
+        psgrad.ddp_hook("qsgd", dgc_momentum=0.5)
+    assert psgrad.ddp_hook("topk:ratio=0.01", feedback="dgc", dgc_warmup_epochs=2, nesterov=True)  # DGC, whole
     with pytest.raises(ValueError, match="no parameter 'levls'"):
         psgrad.ddp_hook("qsgd:levls=4")
 

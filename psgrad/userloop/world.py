@@ -32,7 +32,7 @@ from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
 from ..config import RunConfig
 from ..context import RunContext
-from ..options import refuse_unused
+from ..options import your_loop_config
 from ..settings import settings_of
 from ..startup import prepare
 
@@ -77,31 +77,14 @@ def _your_loop_config(settings: dict) -> RunConfig:
     """The run settings of ``init``'s keywords, refused with ValueError unless every one of them
     acts in your loop (``your_loop`` in the settings table): the model, data, optimizer, schedule,
     logging and checkpoints are your loop's own, and psgrad would silently ignore them."""
-    table = settings_of(RunConfig)
-    unknown = sorted(set(settings) - set(table))
-    if unknown:
-        raise ValueError(
-            f"psgrad.init: unknown setting(s) {', '.join(unknown)}: the names are RunConfig's (docs/cli.md)"
-        )
-    theirs = [name for name in settings if not table[name][1].your_loop]
-    if theirs:
-        raise ValueError(
-            f"psgrad.init: {', '.join(theirs)} {'is a setting' if len(theirs) == 1 else 'are settings'} of "
-            "psgrad's own loop (psgrad train, or psgrad.train.run with your model, data and optimizer) and would "
-            "mean nothing to yours, which has its own model, data, optimizer, schedule, precision and "
-            "checkpoints. psgrad.init takes: " + ", ".join(name for name, (_, meta) in table.items() if meta.your_loop)
-        )
-    if settings.get("nesterov") and settings.get("feedback") != "dgc":
-        raise ValueError("psgrad.init: nesterov is DGC's momentum correction here: it needs feedback='dgc'")
-    # the servers only sum: no momentum of theirs for DGC's (on the workers) to clash with
-    cfg = RunConfig(**{"progress": False, "momentum": 0.0, **settings}).validate()
+    takes = [name for name, (_, meta) in settings_of(RunConfig).items() if meta.your_loop]
+    cfg = your_loop_config(settings, caller="psgrad.init", takes=takes)
     if cfg.topology not in TOPOLOGIES:
         raise ValueError(
             f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
         )
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
-    refuse_unused(list(settings), cfg)  # e.g. DGC's settings without feedback="dgc"
     return cfg
 
 
