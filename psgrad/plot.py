@@ -55,6 +55,16 @@ def matplotlib_problem(what: str) -> str | None:
     return f"{what} needs matplotlib: pip install 'psgrad[plot]' (or pip install matplotlib)"
 
 
+def image_format_problem(out: Path) -> str | None:
+    """Why matplotlib cannot write ``out``: its suffix names no image format it knows; or None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() in formats:
+        return None
+    return f"{out}: the suffix names the image's format, one of {', '.join(sorted(formats))}"
+
+
 def plot_runs(log_dirs: list[Path], out: Path) -> Path:
     """One figure, 2 rows (train loss, test accuracy) x 3 columns (step, wall seconds, MB sent)."""
     import matplotlib

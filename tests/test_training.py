@@ -318,9 +318,10 @@ def test_short_wrn_run_beats_chance_and_plots(tmp_path):
 
 
 def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
-    """Files psgrad did not write, a run with no steps yet, or an output folder that cannot be
-    made: one line and exit 2 (the first two were a KeyError and a ValueError traceback). A
-    missing output folder is made; an unreadable config.json only loses the label."""
+    """Files psgrad did not write, a run with no steps yet, an output folder that cannot be made,
+    or an output suffix that names no image format: one line and exit 2 (the first two were a
+    KeyError and a ValueError traceback). A missing output folder is made; an unreadable
+    config.json only loses the label."""
     from click.testing import CliRunner
 
     from psgrad.cli import main
@@ -349,6 +350,11 @@ def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
     assert result.exit_code == 2 and "a-file is a file, not a folder" in result.output, result.output
     result = CliRunner().invoke(main, ["plot", str(good), "-o", str(tmp_path / "new" / "out.png")])
     assert result.exit_code == 0 and (tmp_path / "new" / "out.png").read_bytes()[:4] == b"\x89PNG", result.output
+    for name in ("out.txt", "out"):  # no image format: one line, before any work (was a traceback)
+        result = CliRunner().invoke(main, ["plot", str(good), "-o", str(tmp_path / name)])
+        assert result.exit_code == 2 and "the suffix names the image's format, one of" in result.output, result.output
+    result = CliRunner().invoke(main, ["plot", str(good), "-o", str(tmp_path / "out.svg")])
+    assert result.exit_code == 0 and b"<svg" in (tmp_path / "out.svg").read_bytes()[:400], result.output
 
 
 def test_an_extra_that_is_not_installed_is_one_clear_error_before_the_work(tmp_path, monkeypatch):

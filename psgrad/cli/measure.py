@@ -157,13 +157,20 @@ def codecs(
 
 @main.command()
 @click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@output_option("-o", "--output", default="psgrad.png", help="PNG file to write (its folder is made if missing).")
+@output_option(
+    "-o",
+    "--output",
+    default="psgrad.png",
+    help="Image to write, in the format its suffix names (png, pdf, svg, ...); its folder is made if missing.",
+)
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
-    from ..plot import MetricsFileError, matplotlib_problem, plot_runs
+    from ..plot import MetricsFileError, image_format_problem, matplotlib_problem, plot_runs
 
     if (problem := matplotlib_problem("psgrad plot")) is not None:
         raise click.ClickException(problem)
+    if (problem := image_format_problem(Path(output))) is not None:
+        raise click.UsageError(problem)
     try:
         path = plot_runs([Path(d) for d in log_dirs], Path(output))
     except (FileNotFoundError, MetricsFileError) as err:
