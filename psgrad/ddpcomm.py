@@ -39,8 +39,8 @@ from .comm import wire
 from .comm.envelope import Envelope, parse
 from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, upload_bound
 from .config import RunConfig
+from .config.refusals import your_loop_config
 from .feedback import feedback_for
-from .options import your_loop_config
 
 SETTINGS = ("seed", "bucket_vectors", "on_nonfinite", "dgc_momentum", "nesterov", "dgc_clip_norm", "dgc_warmup_epochs")
 """The ``RunConfig`` settings the hook takes besides the codec and feedback (docs/cli.md)."""

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from psgrad.clidoc import command_lines
 from psgrad.config import RunConfig
-from psgrad.options import SectionedCommand, refuse_unused, run_options, section_of, unused_option
+from psgrad.config.refusals import refuse_unused, unused_option
+from psgrad.options import SectionedCommand, run_options, section_of
 from psgrad.settings import TRAINING, setting, unless
 
 

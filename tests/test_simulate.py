@@ -436,7 +436,7 @@ def test_nesterov_without_momentum_is_a_usage_error():
 def test_an_option_left_at_its_default_or_taken_from_a_config_is_not_refused(tmp_path):
     """Only what the command line sets, to a value of its own, is refused: a script may pass every
     option every time, and a logged WideResNet run rerun as an MLP carries its depth along."""
-    from psgrad.options import refuse_unused
+    from psgrad.config.refusals import refuse_unused
 
     refuse_unused(["depth", "staleness", "servers"], RunConfig(model="mlp", depth=16, topology="ring"))
     refuse_unused(["staleness", "consensus_step"], RunConfig(mode="async", staleness=2).validate())

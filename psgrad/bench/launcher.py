@@ -41,7 +41,8 @@ from pathlib import Path
 
 from ..checkpoint import step_dirs
 from ..config import RunConfig
-from ..options import option_overrides, refuse_unused
+from ..config.refusals import refuse_unused
+from ..options import option_overrides
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
 from .baselines import BASELINES

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -31,10 +32,13 @@ from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
 from ..config import RunConfig
+from ..config.refusals import your_loop_config
 from ..context import RunContext
-from ..options import your_loop_config
 from ..settings import settings_of
 from ..startup import prepare
+
+ABORT_GRACE_SECONDS = 0.5
+"""How long a failing rank waits between printing its error and aborting the job."""
 
 TOPOLOGIES = ("ps", "colocated")
 """The topologies whose servers can sum for your loop (a gossip rank has no server to sum)."""
@@ -92,10 +96,10 @@ def _end_job_on_error(previous):
     """An uncaught exception on a worker ends the whole job once it is printed: the servers and
     the other workers would otherwise wait for this worker's gradients for ever."""
 
-    def hook(kind, value, traceback) -> None:
-        previous(kind, value, traceback)
-        sys.stderr.flush()
-        abort_if_running(1)
+    def hook(kind, value, trace) -> None:
+        _say(value)
+        previous(kind, value, trace)
+        _abort()
 
     return hook
 
@@ -105,10 +109,24 @@ def _shutdown_at_exit() -> None:
     still send gradients) ends the whole job, where Python would only print it and exit 0."""
     try:
         shutdown()
-    except BaseException:
+    except BaseException as err:
+        _say(err)
         traceback.print_exc()
-        sys.stderr.flush()
-        abort_if_running(1)
+        _abort()
+
+
+def _say(err: BaseException) -> None:
+    """The error in one line, first: another rank's abort may cut this rank's traceback short."""
+    where = f"rank {_WORLD.transport.rank}" if _WORLD is not None else "psgrad"
+    print(f"[psgrad {where}] {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+
+def _abort() -> None:
+    """End every rank of the job, once mpiexec had a moment to pass on what this rank printed
+    (an abort can drop output not yet forwarded)."""
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_SECONDS)
+    abort_if_running(1)
 
 
 def world() -> World:
