@@ -30,9 +30,9 @@ def refuse_unused(given: list[str], cfg: RunConfig) -> None:
             raise ValueError(why)
 
 
-def your_loop_config(settings: dict, *, caller: str, takes: list[str], **fixed: object) -> RunConfig:
-    """The settings given to a door into a user's own loop (``psgrad.init``, ``psgrad.ddp_hook``),
-    with ``fixed``, as a validated ``RunConfig``; else ValueError naming the setting:
+def your_loop_config(settings: dict, *, caller: str, takes: list[str]) -> RunConfig:
+    """The settings given to a door into a user's own loop (``psgrad.init``, ``psgrad.ddp_hook``)
+    as a validated ``RunConfig``; else ValueError naming the setting:
 
     1. A name that is no setting, or a setting ``caller`` does not take (``takes``): psgrad's own
        loop's (model, data, optimizer, logging, ...), which would silently mean nothing.
@@ -52,10 +52,10 @@ def your_loop_config(settings: dict, *, caller: str, takes: list[str], **fixed: 
             "nothing to yours, which has its own model, data, optimizer, schedule, precision and checkpoints. "
             f"{caller} takes: {', '.join(takes)}"
         )
-    if settings.get("nesterov") and {**fixed, **settings}.get("feedback") != "dgc":
+    if settings.get("nesterov") and settings.get("feedback") != "dgc":
         raise ValueError(f"{caller}: nesterov is DGC's momentum correction here: it needs feedback='dgc'")
     try:
-        cfg = RunConfig(**{"progress": False, "momentum": 0.0, **fixed, **settings}).validate()
+        cfg = RunConfig(**{"progress": False, "momentum": 0.0, **settings}).validate()
         refuse_unused(list(settings), cfg)
     except ValueError as err:
         raise ValueError(f"{caller}: {err}") from None

@@ -1,9 +1,10 @@
 """The job seen from your own training loop: ``init`` once on every rank, then who is who.
 
 ``init(**settings)`` does, on every rank:
-1. The settings: keywords named like ``RunConfig``'s fields (``codec=``, ``feedback=``,
-   ``down_codec=``, ``topology=``, ``servers=``, ...), held to the command line's rules and
-   messages (``startup.prepare``: the ranks agree, or every rank raises).
+1. The settings: keywords named like ``RunConfig``'s fields, only those that act in your loop
+   (``codec=``, ``feedback=``, ``down_codec=``, ``topology=``, ``servers=``, ...: ``your_loop`` in
+   the settings table), held to the command line's rules and messages (``startup.prepare``: the
+   ranks agree, or every rank raises).
 2. This rank's place: its layout under the topology (``ps`` or ``colocated``; the servers sum,
    so ``mode`` is ``sync``).
 3. A serving-only rank (``--topology ps``) serves here: it learns the layer plan from the first
