@@ -35,6 +35,7 @@ from ..comm.transport import Transport, abort_if_running, finalize_and_exit, fin
 from ..config import RunConfig
 from ..config.refusals import your_loop_config
 from ..context import RunContext
+from ..metrics import say
 from ..settings import settings_of
 from ..startup import prepare
 
@@ -118,8 +119,8 @@ def _shutdown_at_exit() -> None:
 
 def _say(err: BaseException) -> None:
     """The error in one line, first: another rank's abort may cut this rank's traceback short."""
-    where = f"rank {_WORLD.transport.rank}" if _WORLD is not None else "psgrad"
-    print(f"[psgrad {where}] {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    where = f" rank {_WORLD.transport.rank}" if _WORLD is not None else ""
+    say(f"[psgrad{where}] {type(err).__name__}: {err}")
 
 
 def _abort() -> None:
