@@ -86,9 +86,32 @@ def test_bench_failing_job_reports_its_error(tmp_path):
     data = ["--dataset", "cifar10", "--data-dir", str(tmp_path)]
     for rows in (["--codecs", "none"], ["--codecs", "", "--baselines", "ddp"]):  # psgrad's job, DDP's job
         proc = _launcher([*SMALL, "--steps", "2", *rows, *data])
-        assert proc.returncode != 0
-        assert "exit status 2" in proc.stderr and proc.stderr.count("data error: ") == 1, proc.stderr
-        assert "is not a readable CIFAR batch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 1
+        job, _, summary = proc.stderr.partition("every row failed, no table:")
+        assert "exit status 2" in job and job.count("data error: ") == 1, proc.stderr  # one rank says it
+        assert "is not a readable CIFAR batch" in summary and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_failing_row_leaves_the_others_measured(tmp_path):
+    """A row whose job fails (here: a batch larger than a worker's shard) is said when it fails and
+    skipped in later rounds; the other rows are measured, tabled and kept as JSON, and bench then
+    exits 1 naming the failed row and its rank's error line."""
+    out, logs = tmp_path / "bench.json", tmp_path / "logs"
+    bad = "none --batch-size 200"  # 256 samples over 2 workers: 128 each, fewer than one batch
+    args = [*SMALL, "--steps", "2", "--repeat", "2", "--codecs", f"none;{bad}", "--json", str(out)]
+    proc = _launcher([*args, "--log-dir", str(logs)])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[bench 2/4]   failed: exit status 2" in proc.stderr, proc.stderr[-3000:]
+    assert f"[bench 4/4] round 2: {bad} skipped: its job failed before" in proc.stderr, proc.stderr[-3000:]
+    assert "[bench 3/4]   " in proc.stderr and "it/s" in proc.stderr.split("[bench 3/4]   ")[1].splitlines()[0]
+    summary = proc.stderr.split("1 of 2 rows failed, not in the table:")[1]
+    assert f"{bad}: [psgrad rank 1] data error: " in summary and "fewer than one batch" in summary, summary
+    rows = json.loads(out.read_text())
+    assert [(r["codec"], r["runs"]) for r in rows] == [("none", 2)]
+    assert "none" in proc.stdout and bad not in proc.stdout
+    kept = sorted(p.name for p in logs.iterdir())
+    assert kept == ["01-r1-none", "02-r1-none_--batch-size_200", "03-r2-none"]
+    assert "fewer than one batch" in (logs / kept[1] / "job.log").read_text()
 
 
 def test_bench_without_its_data_is_a_usage_error_before_any_job():

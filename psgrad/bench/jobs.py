@@ -16,7 +16,12 @@ from .netshape import mpiexec_banner
 
 
 class BenchError(RuntimeError):
-    """A bench job failed or overran; the message carries its output."""
+    """A bench job failed or overran; the message carries its output, ``reason`` the one line
+    that says why (a rank's own error line when the job printed one)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message.splitlines()[0]
 
 
 def find_mpiexec(given: str | None) -> str:
@@ -71,12 +76,16 @@ def run_job(cmd: list[str], env: dict[str, str], timeout: float, *, log: Path | 
         _keep(log, out)
         if isinstance(err, subprocess.TimeoutExpired):
             raise BenchError(
-                f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs): {shlex.join(cmd)}\n{_tail(out)}"
+                f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs): {shlex.join(cmd)}\n{_tail(out)}",
+                reason=f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs)",
             ) from None
         raise
     _keep(log, out)
     if proc.returncode != 0:
-        raise BenchError(f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}")
+        raise BenchError(
+            f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}",
+            reason=_said(out) or f"exit status {proc.returncode}",
+        )
 
 
 def _keep(log: Path | None, out: bytes | None) -> None:
@@ -90,6 +99,17 @@ def row_log_dir(base: str | None, index: int, round_: int, item: str) -> str | N
     if base is None:
         return None
     return str(Path(base) / f"{index:02d}-r{round_ + 1}-{re.sub(r'[^A-Za-z0-9=.,:-]+', '_', item).strip('_')[:80]}")
+
+
+def _said(out: bytes | None) -> str | None:
+    """The line in which a failing rank said why (``[psgrad rank N] ...``: runtime/failure.py,
+    the agreement), a rank's own failure before the peers it took down; None when the job died
+    without one (a crash, a killed rank)."""
+    said = [
+        line.strip() for line in (out or b"").decode(errors="replace").splitlines() if line.startswith("[psgrad rank ")
+    ]
+    own = [line for line in said if "PeerFailure" not in line]
+    return (own or said or [None])[0]
 
 
 def _tail(out: bytes | None, lines: int = 40) -> str:

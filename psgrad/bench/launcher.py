@@ -4,8 +4,8 @@ Two ways to run it:
 
 * Started without MPI (``psgrad bench ...``), it is a launcher: every (round, item) is its own
   ``mpiexec`` job (servers + workers ranks for a codec, workers ranks for a baseline), optionally inside bandwidth-shaped network namespaces
-  (``--bandwidth``, see ``psgrad.bench.netshape``). A job that fails or overruns ``--timeout`` stops
-  the bench with the job's own error output.
+  (``--bandwidth``, see ``psgrad.bench.netshape``). A job that fails or overruns ``--job-timeout``
+  fails its row, with the job's own error output; the other rows go on (``orchestrate``).
 * Started under MPI (``mpiexec -n 3 psgrad bench ...``), all codecs run inside that one job
   (no baselines, no shaping: those need their own jobs).
 
@@ -36,12 +36,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..checkpoint import step_dirs
 from ..config import RunConfig
 from ..config.refusals import refuse_unused
+from ..metrics import say
 from ..options import option_overrides
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
@@ -238,6 +239,15 @@ def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     return topology_of(cfg.topology).ranks_needed(workers=workers, servers=cfg.servers)
 
 
+@dataclass
+class Measured:
+    """What the launcher measured: each item's result per round it ran, and the one-line reason
+    of each item whose job failed (it is not run again in later rounds)."""
+
+    results: dict[str, list[dict]]
+    failed: dict[str, str] = field(default_factory=dict)
+
+
 def orchestrate(
     cfg: RunConfig,
     items: list[str],
@@ -252,8 +262,10 @@ def orchestrate(
     bandwidth: str | None = None,
     powersgd_rank: int = 2,
     target: float | None = None,
-) -> dict[str, list[dict]]:
-    """Run every item ``repeat`` times, interleaved, each as its own mpiexec job."""
+) -> Measured:
+    """Run every item ``repeat`` times, interleaved, each as its own mpiexec job. A job that fails
+    or overruns ``timeout`` fails its item, said at once and skipped in later rounds, and the others
+    go on (an hour of rows is not lost to the last); Ctrl-C or SIGTERM stops the job and the bench."""
     from contextlib import nullcontext
 
     from .netshape import ShapedNetwork, check_available
@@ -261,42 +273,52 @@ def orchestrate(
     if bandwidth:
         check_available(mpiexec)
     mpiexec_args = launcher_args(mpiexec, mpiexec_args)
-    most = max(ranks_for(item, cfg, workers) for item in items)
-    results: dict[str, list[dict]] = {item: [] for item in items}
+    measured = Measured({item: [] for item in items})
     total, done = repeat * len(items), 0
     spec = {"config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}  # what every job shares
     spec |= {"powersgd_rank": powersgd_rank, "target": target}
+    most = max(ranks_for(item, cfg, workers) for item in items)
     with ShapedNetwork(most, bandwidth) if bandwidth else nullcontext() as net, tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, **(net.environment() if net else {})}
         for round_ in range(repeat):
             for item in items:
                 done += 1
-                out = Path(tmp) / f"out-{done}.json"
-                job = Path(tmp) / f"job-{done}.json"
-                logs = row_log_dir(cfg.log_dir, done, round_, item)
-                job.write_text(json.dumps(spec | {"item": item, "out": str(out), "log_dir": logs}))
-                command = [sys.executable, "-m", "psgrad.bench", str(job)]
-                n = ranks_for(item, cfg, workers)
-                cmd = [mpiexec, *mpiexec_args, "-n", str(n), *(net.wrap(command) if net else command)]
+                n, run = ranks_for(item, cfg, workers), f"[bench {done}/{total}]"
+                if item in measured.failed:
+                    say(f"{run} round {round_ + 1}: {item} skipped: its job failed before")
+                    continue
                 where = f"{bandwidth} links" if bandwidth else "loopback"
-                print(f"[bench {done}/{total}] round {round_ + 1}: {item} on {n} rank(s), {where}", file=sys.stderr)
+                say(f"{run} round {round_ + 1}: {item} on {n} rank(s), {where}")
+                job = spec | {"item": item, "log_dir": row_log_dir(cfg.log_dir, done, round_, item)}
                 started = time.perf_counter()
                 try:
-                    run_job(cmd, env, timeout, log=Path(logs) / "job.log" if logs else None)
+                    launch = [mpiexec, *mpiexec_args, "-n", str(n)]
+                    m = _run_row(job, Path(tmp) / f"job-{done}", launch=launch, net=net, env=env, timeout=timeout)
                 except KeyboardInterrupt as err:
-                    reason, _ = stop_reason(err)
-                    print(f"[bench] {reason} in run {done}/{total}: its job was stopped, no table", file=sys.stderr)
+                    say(f"[bench] {stop_reason(err)[0]} in run {done}/{total}: its job was stopped, no table")
                     raise
-                if not out.exists():
-                    raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
-                m = json.loads(out.read_text())
-                results[item].append(m)
-                print(
-                    f"[bench {done}/{total}]   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step"
-                    f"{target_note(m, target)} ({time.perf_counter() - started:.0f} s)",
-                    file=sys.stderr,
-                )
-    return results
+                except BenchError as err:
+                    measured.failed[item] = err.reason
+                    say(f"{run}   failed: {err}")
+                    continue
+                measured.results[item].append(m)
+                took = f"{target_note(m, target)} ({time.perf_counter() - started:.0f} s)"
+                say(f"{run}   {m['it_per_s']:.2f} it/s, {(m['bytes_up'] + m['bytes_down']) / 1e6:.2f} MB/step{took}")
+    return measured
+
+
+def _run_row(job: dict, files: Path, *, launch: list[str], net, env: dict[str, str], timeout: float) -> dict:
+    """One row's job: ``job`` written to FILES.json, ``launch python -m psgrad.bench FILES.json``
+    (each rank in its namespace on a shaped ``net``) run to its end, and the measurement its rank 0
+    wrote to FILES.out.json (BenchError if the job failed or wrote none)."""
+    spec, out = files.with_suffix(".json"), files.with_suffix(".out.json")
+    spec.write_text(json.dumps(job | {"out": str(out)}))
+    command = [sys.executable, "-m", "psgrad.bench", str(spec)]
+    cmd = [*launch, *(net.wrap(command) if net else command)]
+    run_job(cmd, env, timeout, log=Path(job["log_dir"]) / "job.log" if job["log_dir"] else None)
+    if not out.exists():
+        raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
+    return json.loads(out.read_text())
 
 
 def _child(job_path: str) -> None:

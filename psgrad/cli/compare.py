@@ -109,7 +109,7 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "job_timeout",
     type=click.FloatRange(min=1),
     default=None,
-    help="Seconds one job may run before the launcher ends it and fails (--timeout is each run's watchdog, "
+    help="Seconds one job may run before the launcher ends it and fails its row (--timeout is each run's watchdog, "
     "which ends a hung rank sooner) [default: 900, or 4 hours with --target-accuracy: a run to an accuracy "
     "takes as long as it takes].",
 )
@@ -153,9 +153,9 @@ def bench(
 ) -> None:
     """Compare codecs (and DDP) by it/s, bytes and time breakdown.
 
-    Run it plainly (`psgrad bench --steps 20 ...`) and it launches one mpiexec job per codec and
-    baseline itself, optionally on shaped links; under `mpiexec -n 3 psgrad bench ...` it runs the
-    codecs inside that job.
+    Run it plainly (`psgrad bench --steps 20 ...`) and it launches one mpiexec job per row and
+    round itself, optionally on shaped links (a failed row is skipped from then on and named at the
+    end, status 1); under `mpiexec -n 3 psgrad bench ...` every row runs inside that job.
 
     With --log-dir every row trained by psgrad train keeps its run's logs in
     LOG_DIR/NN-rR-ROW (NN the run, R the round): config.json, metrics.csv (one line per step,
@@ -279,7 +279,7 @@ def _bench_by_launcher(
 
     bandwidth = launch["bandwidth"]
     try:
-        results = bench_module.orchestrate(
+        measured = bench_module.orchestrate(
             cfg,
             specs + baselines,
             steps=cfg.steps,
@@ -295,9 +295,12 @@ def _bench_by_launcher(
         )
     except (BenchError, ShapeError) as err:
         raise click.ClickException(str(err)) from None
+    failed = "".join(f"\n  {item}: {reason}" for item, reason in measured.failed.items())
+    if not any(measured.results.values()):
+        raise click.ClickException(f"every row failed, no table:{failed}")
     topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
     rows = bench_results.summarize(
-        results,
+        measured.results,
         servers=cfg.servers,
         workers=workers,
         bandwidth_bits=parse_rate(bandwidth) if bandwidth else None,
@@ -307,3 +310,7 @@ def _bench_by_launcher(
     bench_results.report(
         rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", **report
     )
+    if failed:  # after the table: the rows it lacks, and a status a script can see
+        raise click.ClickException(
+            f"{len(measured.failed)} of {len(measured.results)} rows failed, not in the table:{failed}"
+        )
