@@ -263,18 +263,28 @@ def load_rank_state(directory: Path, rank: int, ranks: int) -> dict:
         )
     path = directory / f"rank{rank}.pt"
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing, although {directory} is marked complete (was a file deleted?)")
+        raise CheckpointError(
+            f"{path}: missing, although {directory} is marked complete (was a file deleted?){_earlier(directory)}"
+        )
     try:
         import torch
 
         state = torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001  torch raises many types; its text suggests unsafe loading
         raise CheckpointError(
-            f"{path}: not a readable checkpoint ({type(err).__name__}): the file is corrupt"
+            f"{path}: not a readable checkpoint ({type(err).__name__}): the file is corrupt{_earlier(directory)}"
         ) from None
     if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"{path}: not a psgrad checkpoint (no step)")
+        raise CheckpointError(f"{path}: not a psgrad checkpoint (no step){_earlier(directory)}")
     return state
+
+
+def _earlier(directory: Path) -> str:
+    """Where a run whose checkpoint ``directory`` is damaged can resume instead: "; the complete
+    checkpoint before it: --resume DIR/ckpt-stepM", or "" when there is none."""
+    step = step_of(directory)
+    older = [(s, d) for s, d in step_dirs(directory.parent).items() if step is not None and s < step and _marker(d)]
+    return f"; the complete checkpoint before it: --resume {max(older)[1]}" if older else ""
 
 
 def folder_problem(folder: Path, noun: str = "folder") -> str | None:

@@ -83,6 +83,28 @@ def test_corrupt_file_is_one_clear_line_never_suggesting_unsafe_loading(tmp_path
     assert "weights_only" not in text
 
 
+def test_a_damaged_checkpoint_names_the_complete_one_before_it(tmp_path):
+    """A rank's file of the newest complete checkpoint missing or unreadable: the error names the
+    complete checkpoint before it to resume from (not an incomplete one, not a newer one), and
+    says nothing more when there is none."""
+    _write(tmp_path, 4)
+    _write(tmp_path, 6, complete=False)  # cut off while writing: no way back
+    newest = _write(tmp_path, 8)
+    _write(tmp_path, 12, complete=False)
+    first = _write(tmp_path / "other", 2)
+    (newest / "rank1.pt").write_bytes(b"\x00" * 10)
+    (newest / "rank2.pt").unlink()
+    (first / "rank0.pt").write_bytes(b"")
+    way_back = f"; the complete checkpoint before it: --resume {tmp_path / 'ckpt-step4'}"
+    for rank, said in ((1, "the file is corrupt"), (2, "was a file deleted?)")):
+        with pytest.raises(CheckpointError) as err:
+            checkpoint.load_rank_state(checkpoint.resolve(tmp_path), rank, 3)
+        assert str(err.value).endswith(said + way_back), err.value
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load_rank_state(first, 0, 3)
+    assert str(err.value).endswith("the file is corrupt"), err.value
+
+
 def test_a_pickled_object_is_not_loaded(tmp_path):
     class Evil:
         def __reduce__(self):
