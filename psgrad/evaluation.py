@@ -31,7 +31,9 @@ def evaluate(
             loss_sum += float(loss_fn(out, labels)) * len(labels)
             correct += int((out.argmax(1) == labels).sum())
             total += len(labels)
-    return loss_sum / max(1, total), correct / max(1, total)
+    if total == 0:  # not an accuracy of 0: there was nothing to score
+        raise ValueError("the evaluation data yielded no samples (is eval_data a loader that runs dry?)")
+    return loss_sum / total, correct / total
 
 
 class Evaluations:

@@ -61,6 +61,20 @@ def shard_loader(cfg: RunConfig, *, worker: int, workers: int) -> ShardLoader:
     )
 
 
+def your_loader(loader_fn: Callable, *, worker: int, workers: int) -> object:
+    """Worker ``worker``'s loader from the caller's ``loader_fn``, as an object with
+    ``batch(step)`` (a re-iterable loader adapted); DataError for an epoch of no batches, in which
+    a run counted in epochs could not take a step."""
+    loader = loader_fn(worker, workers)
+    loader = loader if hasattr(loader, "batch") else IterLoader(loader)
+    if not loader.steps_per_epoch >= 1:
+        raise DataError(
+            f"loader_fn({worker}, {workers}) gave a loader of {loader.steps_per_epoch} steps per epoch: "
+            "every worker needs at least one batch"
+        )
+    return loader
+
+
 def rank_data(
     cfg: RunConfig, *, transport: Channel, layout: RankLayout, loader_fn: Callable | None, own_test_set: bool
 ) -> RankData:
@@ -80,8 +94,7 @@ def rank_data(
         if layout.is_worker(rank):
             index, workers = layout.worker_index(rank), layout.num_workers
             if loader_fn is not None:
-                loader = loader_fn(index, workers)
-                loader = loader if hasattr(loader, "batch") else IterLoader(loader)
+                loader = your_loader(loader_fn, worker=index, workers=workers)
             else:
                 loader = shard_loader(cfg, worker=index, workers=workers)
         return loader, load_split(cfg, "test") if rank == 0 and own_test_set else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,7 @@ def run(
             "a custom model_fn needs eval_data (an iterable of (inputs, labels) batches of your test set): "
             f"psgrad will not evaluate your model on the {cfg.dataset} test set"
         )
+    _check_eval_data(eval_data)
     transport = transport or Transport()
     on_job_end(**job_end_hooks())  # MPI_Abort's leftovers removed, sentinels told after MPI_Finalize
     layout = prepare(cfg, transport=transport)
@@ -98,6 +99,20 @@ def run(
         raise
     watchdog.stop()
     return result
+
+
+def _check_eval_data(eval_data: Iterable | None) -> None:
+    """``eval_data`` can serve every evaluation of the run (ValueError otherwise): not empty, and
+    not a one-shot iterator, which the second evaluation would find empty (it scored accuracy 0
+    without a word)."""
+    if isinstance(eval_data, Iterator):
+        raise ValueError(
+            f"eval_data is a one-shot iterator ({type(eval_data).__name__}): every evaluation reads it from the "
+            "start, so the second would find it empty; pass a list of (inputs, labels) batches or a re-iterable "
+            "loader (a torch DataLoader)"
+        )
+    if isinstance(eval_data, Sized) and len(eval_data) == 0:
+        raise ValueError("eval_data holds no batches: give it your test set's (inputs, labels) batches")
 
 
 def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callable[[int], None]) -> RunResult:

@@ -26,6 +26,7 @@ from psgrad.cli import main
 from psgrad.comm.waiting import PeerFailure
 from psgrad.config import RunConfig
 from psgrad.data import load_cifar, make_synthetic
+from psgrad.models import build_model
 from psgrad.sim.local import LocalTransport
 from psgrad.sim.simulate import simulate, world_size
 from psgrad.sim.world import LocalWorld, OtherRankFailed, Stalled
@@ -475,6 +476,45 @@ def test_a_failing_rank_ends_every_rank_with_its_own_error():
     cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30)
     with pytest.raises(Boom, match="worker 1"):
         simulate(cfg, 3, loader_fn=loader_fn)
+
+
+def test_an_evaluation_with_nothing_to_score_is_an_error_not_accuracy_0():
+    """eval_data that runs dry after the first evaluation (a loader over a stream, say): the
+    second evaluation is an error, where it used to log test accuracy 0."""
+
+    class Once:
+        def __init__(self):
+            self.batches = [(torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))]
+
+        def __iter__(self):
+            batches, self.batches = self.batches, []
+            return iter(batches)
+
+    cfg = RunConfig(model="mlp", steps=4, batch_size=8, progress=False, timeout=30, eval_every_steps=2)
+    with pytest.raises(ValueError, match="the evaluation data yielded no samples"):
+        simulate(cfg, 2, model_fn=lambda: build_model("mlp", 10), eval_data=Once())
+
+
+def test_a_loader_of_no_steps_is_a_data_error_on_every_rank(capfd):
+    """A worker's loader_fn giving an epoch of no batches (a DataLoader with drop_last over fewer
+    samples than a batch): one rank says which, every rank stops; it used to be a ZeroDivisionError
+    in rank 0's first evaluation."""
+    from psgrad.agreement import AgreementError
+    from psgrad.data import ShardLoader, load_dataset
+
+    def loader_fn(index: int, workers: int):
+        loader = ShardLoader(
+            load_dataset("synthetic", "train"), dataset="synthetic", worker=index, workers=workers, batch_size=8, seed=0
+        )
+        return [] if index == 1 else loader  # a re-iterable loader of len 0
+
+    cfg = RunConfig(model="mlp", steps=3, batch_size=8, progress=False, timeout=30)
+    with pytest.raises(AgreementError, match="has a data error"):
+        simulate(cfg, 2, loader_fn=loader_fn)
+    said = capfd.readouterr().err
+    assert (
+        "data error: loader_fn(1, 2) gave a loader of 0 steps per epoch: every worker needs at least one batch" in said
+    )
 
 
 @pytest.mark.parametrize("topology", ["ps", "alltoall", "ring"])

@@ -714,6 +714,23 @@ def test_custom_model_without_test_data_is_refused():
         run(RunConfig(steps=1), model_fn=lambda: torch.nn.Linear(4, 2))
 
 
+@pytest.mark.parametrize(
+    "eval_data,said",
+    [
+        ((batch for batch in [(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))]), "one-shot iterator (generator)"),
+        (iter([(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))]), "one-shot iterator (list_iterator)"),
+        ([], "eval_data holds no batches"),
+    ],
+)
+def test_eval_data_that_cannot_serve_every_evaluation_is_refused(eval_data, said):
+    """A generator would be empty from the second evaluation on, which then scored accuracy 0
+    without a word; an empty list scored 0 from the first. Both are refused before any rank starts."""
+    from psgrad.train import run
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        run(RunConfig(steps=1), model_fn=lambda: torch.nn.Linear(4, 2), eval_data=eval_data)
+
+
 def test_log_dir_of_another_run_is_refused_unless_resume_or_overwrite(tmp_path):
     log = tmp_path / "run"
     args = [sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--steps", "4", "--no-progress"]
