@@ -206,6 +206,17 @@ def test_a_link_bound_cell_keeps_its_figure():
         (["--workers", "0"], "positive"),
         (["--bandwidth", "fast"], "100mbit"),
         (["--matrices", "2x10x10", "--step-ms", None], "give its --step-ms"),
+        # a traceback, or accepted and ignored, before these were checked
+        (["--depth", "11"], "WideResNet depth must be 6n+4"),
+        (["--classes", "0"], "not in the range x>=1"),
+        (["--code-gbps", "0"], "not in the range x>0"),
+        (["--local-steps", "0"], "'--local-steps': 0 is not in the range x>=1"),
+        (["--vector-params", "5"], "--vector-params adds to --matrices"),
+        (["--matrices", "2x10x10", "--model", "mlp"], "mean nothing beside it"),
+        (["--model", "mlp", "--widen-factor", "8"], "mean nothing to --model mlp"),
+        (["--batch-size", "8"], "means nothing beside --step-ms"),
+        (["--servers", "2"], "every rank serves a shard under colocated"),
+        (["--servers", "2", "--topology", "ddp"], "--servers means nothing to --topology ddp"),
     ],
 )
 def test_the_command_says_what_is_wrong(args, fragment):

@@ -60,9 +60,11 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
 
 @main.command()
 @click.option("--model", type=click.Choice(MODEL_NAMES), default="wrn", help="psgrad's model whose layers travel.")
-@click.option("--depth", type=int, default=16, help="--model wrn: its depth.")
-@click.option("--widen-factor", type=int, default=4, help="--model wrn: its width.")
-@click.option("--classes", type=int, default=100, help="The model's output classes.")
+@click.option(
+    "--depth", type=click.IntRange(min=10), default=16, help="--model wrn: its depth (6n+4: 10, 16, 22, 28, 40)."
+)
+@click.option("--widen-factor", type=click.IntRange(min=1), default=4, help="--model wrn: its width.")
+@click.option("--classes", type=click.IntRange(min=1), default=100, help="--model: its output classes.")
 @click.option(
     "--matrices",
     default=None,
@@ -70,7 +72,10 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     "(a 24-layer transformer of width 2048); replaces --model.",
 )
 @click.option(
-    "--vector-params", type=int, default=0, help="With --matrices: parameters in 1-D tensors (biases, norms)."
+    "--vector-params",
+    type=click.IntRange(min=0),
+    default=0,
+    help="With --matrices: parameters in 1-D tensors (biases, norms).",
 )
 @click.option("--codec", default="none", show_default=True, help="The up-link codec spec (psgrad codecs --list).")
 @click.option("--down-codec", default="none", show_default=True, help="The down-link codec spec (none: dense values).")
@@ -84,7 +89,9 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
 @click.option(
     "--workers", default="2", show_default=True, callback=_numbers(int, "worker counts"), help="Workers, e.g. 2,4,8."
 )
-@click.option("--servers", type=int, default=1, show_default=True, help="--topology ps: server ranks.")
+@click.option(
+    "--servers", type=click.IntRange(min=1), default=1, show_default=True, help="--topology ps: server ranks."
+)
 @click.option(
     "--bandwidth",
     default="100mbit,10mbit,1mbit",
@@ -106,8 +113,20 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     help="The compute-only step of one worker, ms [default: --model's forward and backward of --batch-size "
     "images, timed here on one thread; a GPU's step time must be given].",
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Per worker, for timing.")
-@click.option("--local-steps", type=int, default=1, show_default=True, help="Exchange every H-th step (--local-steps).")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Per worker, for timing --model's step (without --step-ms).",
+)
+@click.option(
+    "--local-steps",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Exchange every H-th step (--local-steps).",
+)
 @click.option("--overlap-exchange", is_flag=True, help="With --local-steps: the exchange runs beside the next steps.")
 @click.option(
     "--overlap-steps",
@@ -125,7 +144,7 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
 )
 @click.option(
     "--code-gbps",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=None,
     help="The codecs' round-trip rate, GB/s of fp32 gradient [default: what psgrad codecs measured on the development VM].",
 )
@@ -177,8 +196,9 @@ def plan(
     from ..plan import Scenario
     from ..plan import plan as predict
 
-    _check(codecs=(codec, down_codec), local_steps=local_steps, servers=servers, overlap_exchange=overlap_exchange,
+    _check(codecs=(codec, down_codec), local_steps=local_steps, overlap_exchange=overlap_exchange,
            overlap_steps=overlap_steps, fragments=fragments, step_ms=step_ms, matrices=matrices)  # fmt: skip
+    _refuse_unused(model=model, depth=depth, matrices=matrices, step_ms=step_ms, topology=topology)
     shapes, step_ms = _shapes_and_step(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
@@ -222,7 +242,6 @@ def _check(
     *,
     codecs: tuple[str, ...],
     local_steps: int,
-    servers: int,
     overlap_exchange: bool,
     overlap_steps: int,
     fragments: int,
@@ -237,8 +256,6 @@ def _check(
             make_codec(spec)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    if local_steps < 1 or servers < 1:
-        raise click.UsageError("--local-steps and --servers must be positive")
     if overlap_steps and not overlap_exchange:
         raise click.UsageError("--overlap-steps shapes --overlap-exchange: give --overlap-exchange")
     if overlap_steps > local_steps:
@@ -247,6 +264,36 @@ def _check(
         raise click.UsageError(f"--fragments {fragments} must divide --local-steps {local_steps}")
     if step_ms is None and matrices is not None:
         raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
+
+
+def _refuse_unused(*, model: str, depth: int, matrices: str | None, step_ms: float | None, topology: str) -> None:
+    """An option the plan would ignore is a usage error, as train's are: what describes psgrad's
+    model beside --matrices, a WideResNet's shape for another model, --vector-params without
+    --matrices, --batch-size (for timing) beside --step-ms, --servers where no rank only serves."""
+    from ..choices import wrn_depth_problem
+    from ..options import set_off_default
+    from ..roles import TOPOLOGIES
+
+    given = {name for name in ("model", "depth", "widen_factor", "classes", "vector_params", "batch_size", "servers")
+             if set_off_default(name)}  # fmt: skip
+    wrn = {"depth", "widen_factor"} & given
+    if matrices is not None and given & {"model", "classes", *wrn}:
+        raise click.UsageError(
+            "--matrices describes the model: --model, --depth, --widen-factor and --classes mean nothing beside it"
+        )
+    if wrn and model != "wrn":
+        raise click.UsageError(f"--depth and --widen-factor shape a WideResNet: they mean nothing to --model {model}")
+    if model == "wrn" and matrices is None and (problem := wrn_depth_problem(depth)) is not None:
+        raise click.BadParameter(problem, param_hint="--depth")
+    if "vector_params" in given and matrices is None:
+        raise click.UsageError("--vector-params adds to --matrices: give --matrices, or nothing for psgrad's models")
+    if "batch_size" in given and step_ms is not None:
+        raise click.UsageError("--batch-size is for timing --model's step here: it means nothing beside --step-ms")
+    psgrads = TOPOLOGIES.get(topology)  # None for DDP's, which has no server ranks either
+    if "servers" in given and (psgrads is None or "servers" in psgrads.ignores):
+        raise click.UsageError(
+            psgrads.ignores["servers"] if psgrads else f"--servers means nothing to --topology {topology}"
+        )
 
 
 def _shapes_and_step(
