@@ -21,6 +21,7 @@ owns them. Pure Python: no click, no torch.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Collection, KeysView, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,34 @@ def _range_text(meta: Setting) -> str:
     if meta.low is not None:
         return f"{'>' if meta.low_open else '>='} {meta.low:g}"
     return f"{'<' if meta.high_open else '<='} {meta.high:g}"
+
+
+def type_problem(name: str, hint: Any, value: Any) -> str | None:
+    """Why ``value`` is not of the setting's declared type ``hint`` (bool, int, float, str,
+    ``tuple[int, ...]``, or one of them ``| None``), or None: what a config.json or a Python
+    caller gives is checked before any comparison with it can fail obscurely.
+
+    1. None: allowed where the type is optional.
+    2. An int is a number (``--lr 1`` is 1.0); a bool is not an int (JSON's ``true`` is not 1).
+    3. A tuple of ints may be a list of them (JSON has no tuples)."""
+    args = typing.get_args(hint)
+    if value is None:
+        return None if type(None) in args else f"{option_flag(name)} must be set, got None"
+    base = next((a for a in args if a is not type(None)), hint) if args and type(None) in args else hint
+    if typing.get_origin(base) is tuple:
+        ok, what = isinstance(value, (tuple, list)) and all(_is_int(v) for v in value), "a list of integers"
+    elif base is float:
+        ok, what = _is_int(value) or isinstance(value, float), "a number"
+    elif base in (int, bool, str):
+        ok = _is_int(value) if base is int else isinstance(value, base)
+        what = {int: "an integer", bool: "true or false", str: "a string"}[base]
+    else:
+        return None
+    return None if ok else f"{option_flag(name)} must be {what}, got {value!r}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def value_problem(name: str, meta: Setting, value: Any) -> str | None:

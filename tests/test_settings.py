@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import click
 import pytest
@@ -67,6 +68,28 @@ def test_a_new_setting_is_checked_against_its_declaration():
     with pytest.raises(ValueError, match=r"--knob-steps must be >= 0, got -2"):
         Extended(knob_steps=-2).validate()
     assert Extended(knob_steps=0).validate().knob_steps == 0
+
+
+def test_a_setting_of_the_wrong_type_is_named_not_a_failed_comparison():
+    """A config.json (or a Python caller) giving a setting a value of another type: one error
+    naming the setting and the type it takes. It used to be "'<=' not supported between
+    instances of 'str' and 'int'", or a crash later in the run."""
+    for changes, text in [
+        ({"lr": "fast"}, "--lr must be a number, got 'fast'"),
+        ({"lr": True}, "--lr must be a number, got True"),
+        ({"lr": None}, "--lr must be set, got None"),
+        ({"steps": 2.5}, "--steps must be an integer, got 2.5"),
+        ({"augment": 1}, "--augment must be true or false, got 1"),
+        ({"log_dir": 3}, "--log-dir must be a string, got 3"),
+        ({"lr_milestones": [1, "a"]}, "--lr-milestones must be a list of integers"),
+        ({"knob_steps": "3"}, "--knob-steps must be an integer, got '3'"),  # a new setting: from its declaration
+    ]:
+        with pytest.raises(ValueError, match=re.escape(text)):
+            Extended.from_json(json.dumps(changes))
+    for fine in ({"lr": 1, "steps": None, "log_dir": "runs/a", "lr_milestones": [1, 2]}, {"knob_steps": 4}):
+        Extended.from_json(json.dumps(fine))  # an int is a number; optional settings take null
+    with pytest.raises(ValueError, match="a JSON object of settings expected, got a list"):
+        RunConfig.from_json("[1, 2]")
 
 
 def test_a_new_setting_is_refused_where_it_means_nothing():

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..choices import RENAMED, option_flag, wrn_depth_problem
 from ..roles import topology_of
-from ..settings import settings_of, value_problem
+from ..settings import settings_of, type_problem, value_problem
 from .coding import CodecSettings
 from .model_data import ModelDataSettings
 from .output import OutputSettings, SystemSettings
@@ -21,6 +23,12 @@ def _shared(codec) -> str:
     if codec.name != "randomk":
         return ""
     return f", or randomk:ratio={codec.params['ratio']},shared=1: every worker keeps the same coordinates, unscaled"
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    """The declared types of ``cls``'s fields (resolved once: the annotations are strings)."""
+    return typing.get_type_hints(cls)
 
 
 def _need(ok: bool, text: str) -> None:
@@ -39,13 +47,15 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
     def validate(self) -> RunConfig:
         """Raise ValueError naming the first bad setting; return self when there is none.
 
-        1. Every setting against its own declaration: its choices or its range.
+        1. Every setting against its own declaration: its type, its choices or its range.
         2. The codec specs parse, and the rules that link the codecs to other settings.
         3. The topology's own rules (``Topology.refuses`` and ``check``).
         4. The rules that link two other settings.
         """
+        hints = _type_hints(type(self))
         for name, (_, meta) in settings_of(type(self)).items():
-            if (problem := value_problem(name, meta, getattr(self, name))) is not None:
+            value = getattr(self, name)
+            if (problem := type_problem(name, hints[name], value) or value_problem(name, meta, value)) is not None:
                 raise ValueError(problem)
         self._check_codecs()
         topology = topology_of(self.topology)
@@ -197,6 +207,8 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON object of settings expected, got a {type(data).__name__}")
         data.pop("run", None)  # what the run was (world size, versions, host), not a setting
         for old, new in RENAMED.items():  # an older run's config.json
             if old in data:
