@@ -426,6 +426,26 @@ def test_baselines_follow_the_runs_learning_rate_schedule():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03)
 
 
+def test_an_output_file_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    """An output file is tried when the command starts: a folder that takes no new file (as root
+    every mode check passes, and /proc takes none) used to end a measurement in a traceback.
+    The try leaves nothing behind: no new file, an existing one as it was."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+    from psgrad.cli.checks import output_file
+
+    done = CliRunner().invoke(main, ["codecs", "--sizes", "1K", "--json", "/proc/psgrad-test.json"])
+    assert done.exit_code == 2 and "/proc/psgrad-test.json" in done.output, done.output
+    assert "Traceback" not in done.output and "available codecs" not in done.output, done.output
+    done = CliRunner().invoke(main, ["codecs", "--sizes", "1K", "--codecs", ";"])
+    assert done.exit_code == 2 and "no codec specs" in done.output, done.output
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("kept")
+    assert output_file(None, None, str(new)) == str(new) and not new.exists()
+    assert output_file(None, None, str(old)) == str(old) and old.read_text() == "kept"
+
+
 def test_codec_report_per_size_and_per_model(tmp_path):
     """psgrad codecs: one row per codec and size (its own memcpy yardstick), or per codec over a
     model's layers; sizes take K/M suffixes and bad ones are refused by name."""

@@ -20,6 +20,16 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     problem = folder_problem(folder)
     if problem is not None:
         raise click.BadParameter(f"{value}: its folder {folder} {problem}")
+    # the file itself: a read-only file, or a folder that takes no new file whatever its mode
+    # says (root passes every mode check), is refused now, not at the end
+    existed = Path(value).exists()
+    try:
+        with open(value, "ab"):
+            pass
+    except OSError as err:
+        raise click.BadParameter(f"{value}: cannot be written: {err.strerror or err}") from None
+    if not existed:
+        Path(value).unlink(missing_ok=True)
     return value
 
 

@@ -20,6 +20,8 @@ def _codec_list(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return codecbench.DEFAULT_SPECS
     specs = tuple(s.strip() for s in value.split(";") if s.strip())
+    if not specs:
+        raise click.BadParameter("no codec specs: give at least one, e.g. 'qsgd:levels=4;topk:ratio=0.01'")
     for spec in specs:
         try:
             make_codec(spec)
