@@ -70,10 +70,10 @@ while IFS= read -r line || [ -n "$line" ]; do
   line="${line%%#*}"; read -r first rest <<<"$line" || true
   [ -n "${first:-}" ] || continue
   NODES+=("${first%%:*}")
-  given=""
-  if [[ "$first" == *:* ]]; then given="${first##*:}"
-  elif [[ "${rest:-}" =~ slots=([0-9]+) ]]; then given="${BASH_REMATCH[1]}"; fi
-  [ -z "$given" ] || [[ "$given" =~ ^[1-9][0-9]*$ ]] || die "hostfile '$HOSTS': bad slot count '$given' for ${first%%:*}"
+  given=""; counted=0
+  if [[ "$first" == *:* ]]; then given="${first##*:}"; counted=1
+  elif [[ "${rest:-}" =~ slots=([^[:space:]]*) ]]; then given="${BASH_REMATCH[1]}"; counted=1; fi
+  [ "$counted" = 0 ] || [[ "$given" =~ ^[1-9][0-9]*$ ]] || die "hostfile '$HOSTS': bad slot count '$given' for ${first%%:*}"
   GIVEN+=("$given")
 done <"$HOSTS"
 [ ${#NODES[@]} -gt 0 ] || die "hostfile '$HOSTS' names no node"

@@ -96,6 +96,16 @@ def test_bad_launches_say_why(tmp_path, args, fragment):
     assert out.returncode == 2 and fragment in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("line", ["node0 slots=x", "node0 slots=", "node0 slots=0", "node0:", "node0:two"])
+def test_a_slot_count_that_is_no_count_is_refused(tmp_path, line):
+    """A slot count that is not a positive number, in either syntax, is an error naming the node;
+    "slots=x" and an empty count used to be taken as no count (one rank on the node)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{line}\nnode1 slots=2\n")
+    out = _launch("--dry-run", str(hosts), "2", "x")
+    assert out.returncode == 2 and "bad slot count" in out.stderr and "for node0" in out.stderr, out.stderr
+
+
 def test_unknown_mpi_is_refused(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("node0\n")
