@@ -32,10 +32,24 @@ def _read(path: Path, needed: tuple[str, ...]) -> list[dict[str, float]]:
         return rows
 
 
+def run_dirs(given: list[Path]) -> list[Path]:
+    """The runs to draw: each given folder that holds a metrics.csv, and in place of one that
+    does not, the folders in it that do (a ``psgrad bench --log-dir``: its rows that trained,
+    not its DDP and compute-only rows, which log no steps); a folder with neither stays, for
+    ``plot_runs`` to refuse."""
+    runs: list[Path] = []
+    for folder in given:
+        inside = [] if (folder / "metrics.csv").exists() else sorted(folder.glob("*/metrics.csv"))
+        runs += [path.parent for path in inside] or [folder]
+    return runs
+
+
 def run_label(log_dir: Path) -> str:
     """The codec (with its feedback, and the down-link's codec) of the run's config.json and the
-    folder's name, e.g. ``sign:bucket=32+ef, down qsgd:levels=16 (runs/a)``; the name alone when
-    there is no readable config.json."""
+    folder's name, e.g. ``sign:bucket=32+ef, down qsgd:levels=16 (runs/a)``; a bench row's whole
+    spec (its row.txt) in place of the codec; the name alone when there is no readable config.json."""
+    if (row := log_dir / "row.txt").is_file():
+        return f"{row.read_text().strip()} ({log_dir.name})"
     config = log_dir / "config.json"
     try:
         cfg = json.loads(config.read_text())
@@ -74,7 +88,7 @@ def plot_runs(log_dirs: list[Path], out: Path) -> Path:
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), squeeze=False)
     xs = (("step", "step", 1.0), ("wall", "wall time (s)", 1.0), ("mb", "MB sent (up+down, cumulative)", 1e-6))
-    for log_dir in log_dirs:
+    for log_dir in run_dirs(log_dirs):
         metrics = _read(log_dir / "metrics.csv", ("step", "loss", "wall"))
         if not metrics:
             if (log_dir / "metrics.csv").is_file():

@@ -357,6 +357,31 @@ def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
     assert result.exit_code == 0 and b"<svg" in (tmp_path / "out.svg").read_bytes()[:400], result.output
 
 
+def test_plot_draws_every_row_a_bench_log_dir_holds(tmp_path):
+    """``psgrad plot BENCH_LOG_DIR``: a folder without metrics.csv stands for the runs in it, each
+    labelled by its bench row (row.txt); a row that logs no steps (compute-only, DDP) is left out.
+    It used to be "no metrics.csv" for the folder."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+    from psgrad.plot import run_dirs, run_label
+
+    bench = tmp_path / "bench"
+    for name, row in (("01-r1-none", "none"), ("02-r1-sign", "sign --feedback ef")):
+        (bench / name).mkdir(parents=True)
+        (bench / name / "metrics.csv").write_text("step,loss,wall\n0,2.0,0.5\n1,1.5,1.0\n")
+        (bench / name / "row.txt").write_text(row + "\n")
+    (bench / "03-r1-compute").mkdir()
+    (bench / "03-r1-compute" / "job.log").write_text("")
+    runs = run_dirs([bench])
+    assert runs == [bench / "01-r1-none", bench / "02-r1-sign"]
+    assert run_label(runs[1]) == "sign --feedback ef (02-r1-sign)"
+    result = CliRunner().invoke(main, ["plot", str(bench), "-o", str(tmp_path / "out.png")])
+    assert result.exit_code == 0 and (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG", result.output
+    result = CliRunner().invoke(main, ["plot", str(bench / "03-r1-compute"), "-o", str(tmp_path / "c.png")])
+    assert result.exit_code == 2 and "03-r1-compute: no metrics.csv" in result.output, result.output
+
+
 def test_an_extra_that_is_not_installed_is_one_clear_error_before_the_work(tmp_path, monkeypatch):
     """Without matplotlib (the plot extra) or tensorboardX (the tensorboard extra), psgrad plot,
     bench --plot and --tensorboard said so with a traceback: plot at once, bench after all its

@@ -166,7 +166,10 @@ def codecs(
     help="Image to write, in the format its suffix names (png, pdf, svg, ...); its folder is made if missing.",
 )
 def plot(log_dirs: tuple[str, ...], output: str) -> None:
-    """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent."""
+    """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent.
+
+    A folder without a metrics.csv stands for the runs in it: `psgrad plot runs/bench` draws
+    every row of a `psgrad bench --log-dir runs/bench` that trained, each labelled by its row."""
     from ..plot import MetricsFileError, image_format_problem, matplotlib_problem, plot_runs
 
     if (problem := matplotlib_problem("psgrad plot")) is not None:
