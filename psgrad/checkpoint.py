@@ -138,8 +138,9 @@ def load_model(log_dir: str | Path) -> torch.nn.Module:
     2. Build that model (``psgrad.models.build_model``).
     3. Load ``model.pt`` into it (``weights_only``).
 
-    A model of your own (``train.run(model_fn=...)``) is not in config.json: build it yourself and
-    ``load_state_dict(torch.load(LOG_DIR/model.pt, weights_only=True))``."""
+    A model of your own (``train.run(model_fn=...)``) is not in config.json, which records only its
+    class: that, or a model.pt that does not fit, is one CheckpointError saying to build it
+    yourself and ``load_state_dict(torch.load(LOG_DIR/model.pt, weights_only=True))``."""
     import torch
 
     from .config import RunConfig
@@ -149,9 +150,20 @@ def load_model(log_dir: str | Path) -> torch.nn.Module:
     for name in ("config.json", "model.pt"):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory / name}: missing (a run with --log-dir {log_dir} writes it at its end)")
-    cfg = RunConfig.from_json((directory / "config.json").read_text())
+    text = (directory / "config.json").read_text()
+    cfg = RunConfig.from_json(text)
     model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
-    model.load_state_dict(torch.load(directory / "model.pt", weights_only=True))
+    trained = json.loads(text).get("run", {}).get("model", type(model).__name__)
+    yours = "build it, then load_state_dict(torch.load(model.pt, weights_only=True))"
+    if trained != type(model).__name__:  # train.run(model_fn=...): config.json's --model is not it
+        raise CheckpointError(f"{directory} trained a model of your own ({trained}), not psgrad's {cfg.model}: {yours}")
+    try:
+        model.load_state_dict(torch.load(directory / "model.pt", weights_only=True))
+    except RuntimeError as err:  # keys or shapes that do not fit: one line, not a wall of names
+        raise CheckpointError(
+            f"{directory / 'model.pt'} does not fit the {cfg.model} model config.json names "
+            f"({str(err).splitlines()[0]}); a model of your own: {yours}"
+        ) from None
     return model.eval()
 
 

@@ -144,7 +144,7 @@ class RunContext:
             return None
         cfg = self.cfg
         if cfg.log_dir:
-            cfg.save(cfg.log_dir, _run_facts(self.transport))
+            cfg.save(cfg.log_dir, _run_facts(self.transport) | {"model": type(self.model).__name__, "data": self.label})
         return MetricsLog(
             cfg.log_dir,
             total_steps=self.total,
@@ -244,7 +244,8 @@ def ranks_line(roles: list[str], pids: list[int]) -> str:
 
 
 def _run_facts(transport: Channel) -> dict:
-    """What config.json records of the run itself (not settings): who, where, with what."""
+    """What config.json records of the run itself (not settings): who, where, with what (the
+    caller adds the model's class and the data's label, which a run's own parts replace)."""
     return {
         "world_size": transport.size,
         "psgrad": importlib.metadata.version("psgrad"),

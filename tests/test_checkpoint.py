@@ -289,3 +289,32 @@ def test_load_model_names_what_is_missing(tmp_path):
 
     with pytest.raises(CheckpointError, match="config.json: missing"):
         load_model(tmp_path)
+
+
+def test_load_model_of_a_run_with_a_model_of_your_own_says_so_in_one_line(tmp_path):
+    """train.run(model_fn=...) with a log dir: config.json records the model's class beside
+    psgrad's --model default, and load_model says the model is the caller's to build, where it
+    used to print every missing key of a WideResNet. A model.pt that does not fit (no class
+    recorded) is one line too."""
+    from psgrad import load_model
+    from psgrad.config import RunConfig
+    from psgrad.models import build_model
+    from psgrad.sim.simulate import simulate
+
+    def batches():
+        return [(torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))]
+
+    cfg = RunConfig(model="mlp", steps=2, batch_size=8, progress=False, timeout=30, log_dir=str(tmp_path / "run"))
+    simulate(cfg, 2, model_fn=lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3072, 10)),
+             eval_data=batches())  # fmt: skip
+    facts = json.loads((tmp_path / "run" / "config.json").read_text())["run"]
+    assert facts["model"] == "Sequential" and facts["data"] == cfg.dataset_label
+    with pytest.raises(CheckpointError, match=r"a model of your own \(Sequential\), not psgrad's mlp: build it"):
+        load_model(tmp_path / "run")
+    del facts["model"]  # a config.json without the class (an older run's)
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**RunConfig(model="mlp").__dict__, "run": facts}))
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path / "run")
+    assert "model.pt does not fit the mlp model" in str(err.value) and "\n" not in str(err.value), err.value
+    checkpoint.save_model(tmp_path / "run", build_model("mlp", 10))
+    assert isinstance(load_model(tmp_path / "run"), torch.nn.Module)  # psgrad's own model still loads
