@@ -107,7 +107,8 @@ def type_problem(name: str, hint: Any, value: Any) -> str | None:
     caller gives is checked before any comparison with it can fail obscurely.
 
     1. None: allowed where the type is optional.
-    2. An int is a number (``--lr 1`` is 1.0); a bool is not an int (JSON's ``true`` is not 1).
+    2. An int is a number (``--lr 1`` is 1.0); a bool is not a number (JSON's ``true`` is no
+       step count), but 0 and 1 are a bool.
     3. A tuple of ints may be a list of them (JSON has no tuples)."""
     args = typing.get_args(hint)
     if value is None:
@@ -117,9 +118,11 @@ def type_problem(name: str, hint: Any, value: Any) -> str | None:
         ok, what = isinstance(value, (tuple, list)) and all(_is_int(v) for v in value), "a list of integers"
     elif base is float:
         ok, what = _is_int(value) or isinstance(value, float), "a number"
-    elif base in (int, bool, str):
-        ok = _is_int(value) if base is int else isinstance(value, base)
-        what = {int: "an integer", bool: "true or false", str: "a string"}[base]
+    elif base is bool:  # 0 and 1 say it too (a Python caller's overlap_exchange=1)
+        ok, what = isinstance(value, bool) or (_is_int(value) and value in (0, 1)), "true or false"
+    elif base in (int, str):
+        ok = _is_int(value) if base is int else isinstance(value, str)
+        what = "an integer" if base is int else "a string"
     else:
         return None
     return None if ok else f"{option_flag(name)} must be {what}, got {value!r}"

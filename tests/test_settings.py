@@ -79,14 +79,17 @@ def test_a_setting_of_the_wrong_type_is_named_not_a_failed_comparison():
         ({"lr": True}, "--lr must be a number, got True"),
         ({"lr": None}, "--lr must be set, got None"),
         ({"steps": 2.5}, "--steps must be an integer, got 2.5"),
-        ({"augment": 1}, "--augment must be true or false, got 1"),
+        ({"augment": 2}, "--augment must be true or false, got 2"),
         ({"log_dir": 3}, "--log-dir must be a string, got 3"),
         ({"lr_milestones": [1, "a"]}, "--lr-milestones must be a list of integers"),
         ({"knob_steps": "3"}, "--knob-steps must be an integer, got '3'"),  # a new setting: from its declaration
     ]:
         with pytest.raises(ValueError, match=re.escape(text)):
             Extended.from_json(json.dumps(changes))
-    for fine in ({"lr": 1, "steps": None, "log_dir": "runs/a", "lr_milestones": [1, 2]}, {"knob_steps": 4}):
+    for fine in (
+        {"lr": 1, "steps": None, "log_dir": "runs/a", "lr_milestones": [1, 2], "augment": 1},
+        {"knob_steps": 4},
+    ):
         Extended.from_json(json.dumps(fine))  # an int is a number; optional settings take null
     with pytest.raises(ValueError, match="a JSON object of settings expected, got a list"):
         RunConfig.from_json("[1, 2]")
