@@ -397,6 +397,13 @@ def test_bench_time_to_accuracy_rows(tmp_path):
             assert rows[name]["target_steps"] in (4, 8, 12, 13) and rows[name]["target_seconds"] > 0
     assert rows["compute"]["final_acc"] is None  # no single model to evaluate
     assert "time to test accuracy 0.300" in proc.stdout
+    # each evaluation is said as it happens, a run to an accuracy being hours long: psgrad's rows
+    # and DDP's (which printed none), not compute-only's, which evaluates nothing
+    said = [line for line in proc.stderr.splitlines() if "test accuracy" in line and "   step " in line]
+    for run, name in ((1, "none"), (2, "sign"), (4, "ddp")):
+        steps = [int(line.split("step ")[1].split(":")[0]) for line in said if line.startswith(f"[bench {run}/4]")]
+        assert steps == [4, 8, 12, 14], (name, said)  # every 4th step, and the run's last (its 14th)
+    assert not [line for line in said if line.startswith("[bench 3/4]")], said
 
 
 def test_baselines_follow_the_runs_learning_rate_schedule():

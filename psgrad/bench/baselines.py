@@ -138,6 +138,7 @@ def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
     if test is None:
         return None
     from ..evaluation import evaluate
+    from ..metrics import say
 
     layout = memory_format(cfg.memory_format, torch.device("cpu"))
 
@@ -146,6 +147,7 @@ def _evaluator(cfg: RunConfig, model, test: ImageSet | None, steps: int):
             return None
         start = time.perf_counter()
         loss, acc = evaluate(model, eval_batches(test, cfg.dataset), F.cross_entropy, layout)
+        say(f"[eval] step {step}: test loss {loss:.4f}, accuracy {acc:.4f} ({cfg.dataset_label})")  # as psgrad's runs
         return {"step": step, "test_loss": loss, "test_acc": acc, "eval_seconds": time.perf_counter() - start}
 
     return run

@@ -10,6 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .netshape import mpiexec_banner
@@ -57,22 +59,28 @@ def launcher_args(mpiexec: str, given: list[str]) -> list[str]:
     return [*given, *(flag for flag in OPENMPI_ROOT_FLAGS if flag not in given)]
 
 
-def run_job(cmd: list[str], env: dict[str, str], timeout: float, *, log: Path | None = None) -> None:
+def run_job(
+    cmd: list[str],
+    env: dict[str, str],
+    timeout: float,
+    *,
+    log: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> None:
     """Run one mpiexec job in its own process group; on timeout or Ctrl-C end the whole group.
-    ``log``: where its output goes as well, whatever the end."""
+    ``log``: where its output goes as well, whatever the end; ``on_line``: called with each line
+    of its output as it comes (a run to an accuracy takes hours: its progress)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_read, args=(proc.stdout, chunks, on_line), daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        reader.join(timeout=_GRACE)  # a rank that outlives mpiexec holds the pipe: it goes below
     except BaseException as err:
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-                out, _ = proc.communicate(timeout=grace)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        else:
-            out = b""
+        _end_group(proc)
+        reader.join(timeout=_GRACE)
+        out = b"".join(chunks)
         _keep(log, out)
         if isinstance(err, subprocess.TimeoutExpired):
             raise BenchError(
@@ -80,12 +88,42 @@ def run_job(cmd: list[str], env: dict[str, str], timeout: float, *, log: Path | 
                 reason=f"timed out after {timeout:.0f} s (raise --job-timeout for longer jobs)",
             ) from None
         raise
+    if reader.is_alive():
+        _end_group(proc)
+        reader.join(timeout=_GRACE)
+    out = b"".join(chunks)
     _keep(log, out)
     if proc.returncode != 0:
         raise BenchError(
             f"exit status {proc.returncode}: {shlex.join(cmd)}\n{_tail(out)}",
             reason=_said(out) or f"exit status {proc.returncode}",
         )
+
+
+_GRACE = 5.0
+"""Seconds a job's process group gets after SIGTERM, and its output after the job ended."""
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the job's whole process group, each with ``_GRACE`` to end."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=_GRACE)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def _read(stream, chunks: list[bytes], on_line: Callable[[str], None] | None) -> None:
+    """The job's output, line by line, into ``chunks`` and to ``on_line``, until it ends."""
+    for line in iter(stream.readline, b""):
+        chunks.append(line)
+        if on_line is not None:
+            try:
+                on_line(line.decode(errors="replace").rstrip("\n"))
+            except Exception:  # noqa: BLE001  progress must not stop the reading: the job would block on a full pipe
+                pass
 
 
 def _keep(log: Path | None, out: bytes | None) -> None:

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from ..checkpoint import step_dirs
@@ -278,8 +281,10 @@ def orchestrate(
     spec = {"config": json.loads(cfg.to_json()), "steps": steps, "warmup": warmup}  # what every job shares
     spec |= {"powersgd_rank": powersgd_rank, "target": target}
     most = max(ranks_for(item, cfg, workers) for item in items)
+    where = f"{bandwidth} links" if bandwidth else "loopback"
     with ShapedNetwork(most, bandwidth) if bandwidth else nullcontext() as net, tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, **(net.environment() if net else {})}
+        run_row = partial(_run_row, mpiexec=[mpiexec, *mpiexec_args], net=net, env=env, timeout=timeout)
         for round_ in range(repeat):
             for item in items:
                 done += 1
@@ -287,13 +292,13 @@ def orchestrate(
                 if item in measured.failed:
                     say(f"{run} round {round_ + 1}: {item} skipped: its job failed before")
                     continue
-                where = f"{bandwidth} links" if bandwidth else "loopback"
                 say(f"{run} round {round_ + 1}: {item} on {n} rank(s), {where}")
                 job = spec | {"item": item, "log_dir": row_log_dir(cfg.log_dir, done, round_, item)}
                 started = time.perf_counter()
                 try:
-                    launch = [mpiexec, *mpiexec_args, "-n", str(n)]
-                    m = _run_row(job, Path(tmp) / f"job-{done}", launch=launch, net=net, env=env, timeout=timeout)
+                    m = run_row(
+                        job, Path(tmp) / f"job-{done}", ranks=n, on_line=_evaluations_said(run) if target else None
+                    )
                 except KeyboardInterrupt as err:
                     say(f"[bench] {stop_reason(err)[0]} in run {done}/{total}: its job was stopped, no table")
                     raise
@@ -307,15 +312,43 @@ def orchestrate(
     return measured
 
 
-def _run_row(job: dict, files: Path, *, launch: list[str], net, env: dict[str, str], timeout: float) -> dict:
-    """One row's job: ``job`` written to FILES.json, ``launch python -m psgrad.bench FILES.json``
-    (each rank in its namespace on a shaped ``net``) run to its end, and the measurement its rank 0
-    wrote to FILES.out.json (BenchError if the job failed or wrote none)."""
+_EVALUATION = re.compile(r"^\[eval\] .*?step (\d+): test loss \S+, accuracy ([\d.]+)")
+
+
+def _evaluations_said(run: str) -> Callable[[str], None]:
+    """What says each evaluation a row's job prints (``[eval] ... step S: ... accuracy A``, rank 0's
+    line) as that row's progress, ``[bench k/N]   step S+1: test accuracy A``: a run to an
+    accuracy takes up to hours, and said nothing until its end."""
+
+    started = time.perf_counter()
+
+    def said(line: str) -> None:
+        if (found := _EVALUATION.match(line)) is not None:
+            took = time.perf_counter() - started
+            say(f"{run}   step {int(found[1]) + 1}: test accuracy {float(found[2]):.3f} ({took:.0f} s)")
+
+    return said
+
+
+def _run_row(
+    job: dict,
+    files: Path,
+    *,
+    ranks: int,
+    mpiexec: list[str],
+    net,
+    env: dict[str, str],
+    timeout: float,
+    on_line: Callable[[str], None] | None = None,
+) -> dict:
+    """One row's job: ``job`` written to FILES.json, ``mpiexec -n RANKS python -m psgrad.bench
+    FILES.json`` (each rank in its namespace on a shaped ``net``) run to its end, and the
+    measurement its rank 0 wrote to FILES.out.json (BenchError if the job failed or wrote none)."""
     spec, out = files.with_suffix(".json"), files.with_suffix(".out.json")
     spec.write_text(json.dumps(job | {"out": str(out)}))
     command = [sys.executable, "-m", "psgrad.bench", str(spec)]
-    cmd = [*launch, *(net.wrap(command) if net else command)]
-    run_job(cmd, env, timeout, log=Path(job["log_dir"]) / "job.log" if job["log_dir"] else None)
+    cmd = [*mpiexec, "-n", str(ranks), *(net.wrap(command) if net else command)]
+    run_job(cmd, env, timeout, log=Path(job["log_dir"]) / "job.log" if job["log_dir"] else None, on_line=on_line)
     if not out.exists():
         raise BenchError(f"the job ended without writing its result: {shlex.join(cmd)}")
     return json.loads(out.read_text())
