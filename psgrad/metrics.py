@@ -255,7 +255,7 @@ class MetricsLog:
         acc = f", test accuracy {self.evals[-1]['test_acc']:.4f}" if self.evals else ""
         diverged = f" (diverged from step {self.diverged_at})" if self.diverged_at is not None else ""
         return (
-            f"[psgrad] done: {steps} steps, final loss {rows[-1]['loss']:.4g}{diverged}, {its:.2f} it/s, "
+            f"[psgrad] done: {steps} step{'' if steps == 1 else 's'}, final loss {rows[-1]['loss']:.4g}{diverged}, {its:.2f} it/s, "
             f"{mb:.3f} MB/step (up+down, all workers){acc} [{data}]"
         )
 
