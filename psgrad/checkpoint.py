@@ -92,6 +92,11 @@ def step_dirs(log_dir: str | Path) -> dict[int, Path]:
     return {step: d for d in Path(log_dir).iterdir() if (step := step_of(d)) is not None and d.is_dir()}
 
 
+def complete_dirs(log_dir: str | Path) -> dict[int, Path]:
+    """The complete ``ckpt-stepN`` directories in ``log_dir`` (those with a marker) by step N."""
+    return {step: d for step, d in step_dirs(log_dir).items() if _marker(d) is not None}
+
+
 def save_rank_state(directory: Path, rank: int, state: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     _atomic_save(state, directory / f"rank{rank}.pt")
@@ -121,7 +126,7 @@ def prune(log_dir: str | Path, *, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     steps = step_dirs(log_dir)
-    complete = sorted((step for step, d in steps.items() if _marker(d) is not None), reverse=True)
+    complete = sorted(complete_dirs(log_dir), reverse=True)
     if len(complete) <= keep:
         return []
     oldest_kept = complete[keep - 1]
@@ -202,10 +207,10 @@ def resolve(resume: str | Path) -> Path:
                 f"while writing it); resume from {path.parent} to take the newest complete one"
             )
         return path
-    complete = [(step, d) for step, d in step_dirs(path).items() if _marker(d) is not None]
+    complete = complete_dirs(path)
     if not complete:
         raise CheckpointError(f"--resume {resume}: no complete checkpoint (ckpt-stepN/{MARKER}) in this directory")
-    return max(complete)[1]
+    return complete[max(complete)]
 
 
 def resume_hint(log_dir: str | Path | None) -> str | None:
@@ -295,8 +300,8 @@ def _earlier(directory: Path) -> str:
     """Where a run whose checkpoint ``directory`` is damaged can resume instead: "; the complete
     checkpoint before it: --resume DIR/ckpt-stepM", or "" when there is none."""
     step = step_of(directory)
-    older = [(s, d) for s, d in step_dirs(directory.parent).items() if step is not None and s < step and _marker(d)]
-    return f"; the complete checkpoint before it: --resume {max(older)[1]}" if older else ""
+    older = {s: d for s, d in complete_dirs(directory.parent).items() if step is not None and s < step}
+    return f"; the complete checkpoint before it: --resume {older[max(older)]}" if older else ""
 
 
 def folder_problem(folder: Path, noun: str = "folder") -> str | None:
