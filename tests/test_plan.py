@@ -213,7 +213,10 @@ def test_a_link_bound_cell_keeps_its_figure():
         (["--local-steps", "0"], "'--local-steps': 0 is not in the range x>=1"),
         (["--vector-params", "5"], "--vector-params adds to --matrices"),
         (["--matrices", "2x10x10", "--model", "mlp"], "mean nothing beside it"),
-        (["--model", "mlp", "--widen-factor", "8"], "mean nothing to --model mlp"),
+        (
+            ["--model", "mlp", "--widen-factor", "8"],
+            "--widen-factor shapes a WideResNet: it means nothing to --model mlp",
+        ),
         (["--batch-size", "8"], "means nothing beside --step-ms"),
         (["--servers", "2"], "every rank serves a shard under colocated"),
         (["--servers", "2", "--topology", "ddp"], "--servers means nothing to --topology ddp"),

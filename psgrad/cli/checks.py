@@ -44,6 +44,21 @@ def output_option(*decls: str, allow_dash: bool = False, default: str | None = N
     )
 
 
+def refuse_wrn_shape(model: str | None, depth: int) -> None:
+    """--depth and --widen-factor of a command that builds one of psgrad's models by name
+    (``psgrad codecs``, ``psgrad plan``): a WideResNet's depth is 6n+4, and a depth or width set
+    for another model, or for none, is a usage error, as ``psgrad train`` says it."""
+    from ..choices import option_flag, wrn_depth_problem
+    from ..options import set_off_default
+
+    if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
+        raise click.BadParameter(problem, param_hint="--depth")
+    for name in ("depth", "widen_factor"):
+        if model != "wrn" and set_off_default(name):
+            where = f"to --model {model}" if model else "without --model wrn"
+            raise click.UsageError(f"{option_flag(name)} shapes a WideResNet: it means nothing {where}")
+
+
 def require_resumable(cfg, ranks: int, fix: Callable[[int], str]) -> None:
     """With --resume: a missing or incomplete checkpoint, or one written by another number of
     ranks, is a usage error said once, before any rank builds a model (``fix(ranks written)`` says

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from ..choices import MODEL_NAMES, option_flag
+from ..choices import MODEL_NAMES
 from ..options import set_off_default
-from .checks import output_option
+from .checks import output_option, refuse_wrn_shape
 from .group import main
 
 
@@ -116,24 +116,15 @@ def codecs(
     import torch
 
     from ..bench import codecbench
-    from ..choices import wrn_depth_problem
     from ..codecs import available_codecs, kernels_name
     from ..models import build_model
     from ..runtime.allocator import keep_freed_memory
 
-    if model == "wrn" and (problem := wrn_depth_problem(depth)) is not None:
-        raise click.BadParameter(problem, param_hint="--depth")
-    given = [name for name in ("sizes", "depth", "widen_factor", "classes") if set_off_default(name)]
-    if model is not None and "sizes" in given:
+    refuse_wrn_shape(model, depth)
+    if model is not None and set_off_default("sizes"):
         raise click.UsageError("--sizes and --model are two ways to say what to code: give one")
-    for name in given:
-        flag = option_flag(name)
-        if name in ("depth", "widen_factor") and model != "wrn":
-            raise click.UsageError(
-                f"{flag} shapes a WideResNet: it means nothing {f'to --model {model}' if model else 'without --model wrn'}"
-            )
-        if name == "classes" and model is None:
-            raise click.UsageError("--classes sizes the output layer of --model: it means nothing without one")
+    if model is None and set_off_default("classes"):
+        raise click.UsageError("--classes sizes the output layer of --model: it means nothing without one")
     torch.set_num_threads(threads)
     keep_freed_memory()
     if model is not None:

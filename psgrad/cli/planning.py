@@ -270,21 +270,17 @@ def _refuse_unused(*, model: str, depth: int, matrices: str | None, step_ms: flo
     """An option the plan would ignore is a usage error, as train's are: what describes psgrad's
     model beside --matrices, a WideResNet's shape for another model, --vector-params without
     --matrices, --batch-size (for timing) beside --step-ms, --servers where no rank only serves."""
-    from ..choices import wrn_depth_problem
     from ..options import set_off_default
     from ..roles import TOPOLOGIES
+    from .checks import refuse_wrn_shape
 
     given = {name for name in ("model", "depth", "widen_factor", "classes", "vector_params", "batch_size", "servers")
              if set_off_default(name)}  # fmt: skip
-    wrn = {"depth", "widen_factor"} & given
-    if matrices is not None and given & {"model", "classes", *wrn}:
+    if matrices is not None and given & {"model", "classes", "depth", "widen_factor"}:
         raise click.UsageError(
             "--matrices describes the model: --model, --depth, --widen-factor and --classes mean nothing beside it"
         )
-    if wrn and model != "wrn":
-        raise click.UsageError(f"--depth and --widen-factor shape a WideResNet: they mean nothing to --model {model}")
-    if model == "wrn" and matrices is None and (problem := wrn_depth_problem(depth)) is not None:
-        raise click.BadParameter(problem, param_hint="--depth")
+    refuse_wrn_shape(model if matrices is None else None, depth)
     if "vector_params" in given and matrices is None:
         raise click.UsageError("--vector-params adds to --matrices: give --matrices, or nothing for psgrad's models")
     if "batch_size" in given and step_ms is not None:
