@@ -111,18 +111,20 @@ def type_problem(name: str, hint: Any, value: Any) -> str | None:
        step count), but 0 and 1 are a bool.
     3. A tuple of ints may be a list of them (JSON has no tuples)."""
     args = typing.get_args(hint)
+    optional = type(None) in args
     if value is None:
-        return None if type(None) in args else f"{option_flag(name)} must be set, got None"
-    base = next((a for a in args if a is not type(None)), hint) if args and type(None) in args else hint
+        return None if optional else f"{option_flag(name)} must be set, got None"
+    base = next(a for a in args if a is not type(None)) if optional else hint
     if typing.get_origin(base) is tuple:
         ok, what = isinstance(value, (tuple, list)) and all(_is_int(v) for v in value), "a list of integers"
     elif base is float:
         ok, what = _is_int(value) or isinstance(value, float), "a number"
     elif base is bool:  # 0 and 1 say it too (a Python caller's overlap_exchange=1)
         ok, what = isinstance(value, bool) or (_is_int(value) and value in (0, 1)), "true or false"
-    elif base in (int, str):
-        ok = _is_int(value) if base is int else isinstance(value, str)
-        what = "an integer" if base is int else "a string"
+    elif base is int:
+        ok, what = _is_int(value), "an integer"
+    elif base is str:
+        ok, what = isinstance(value, str), "a string"
     else:
         return None
     return None if ok else f"{option_flag(name)} must be {what}, got {value!r}"
