@@ -84,9 +84,12 @@ class DDPHook:
         return {"step": torch.tensor(self.step), **self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """What ``state_dict`` gave; a ValueError for another hook's or optimizer's state."""
         state = dict(state)
-        self.step = int(state.pop("step"))
-        self.feedback.load_state_dict(state)
+        if "step" not in state:
+            raise ValueError(f"not a psgrad.ddp_hook state_dict (no 'step' among {sorted(state)[:4]})")
+        self.feedback.load_state_dict({key: value for key, value in state.items() if key != "step"})
+        self.step = int(state["step"])
 
     def set_epoch(self, epoch: int) -> None:
         """For schedules that follow the epoch (``--feedback dgc``'s sparsity warm-up)."""

@@ -35,8 +35,7 @@ class NoFeedback:
         return {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError("no-feedback memory has no state to load")
+        _entries(state, prefixes=(), memory=f"{self.codec.spec} without feedback")
 
 
 class ErrorFeedback(NoFeedback):
@@ -57,6 +56,7 @@ class ErrorFeedback(NoFeedback):
         if memory is None:
             memory = self.residuals[layer] = grad.detach().to(torch.float32, copy=True)
         else:
+            _check_shape(memory, grad, layer=layer, memory="error feedback")
             memory.add_(grad.detach())
         return self.codec.encode_residual(memory, seed=seed)
 
@@ -64,7 +64,36 @@ class ErrorFeedback(NoFeedback):
         return {f"residual/{k}": v for k, v in self.residuals.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {k.removeprefix("residual/"): v.clone() for k, v in state.items()}
+        self.residuals = _entries(state, prefixes=("residual/",), memory="error feedback")["residual/"]
+
+
+def _entries(
+    state: dict[str, torch.Tensor], *, prefixes: tuple[str, ...], memory: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``state``'s entries by prefix, the prefix removed and each tensor copied. A key under no
+    prefix means the state was saved by another memory: a ValueError says so rather than load
+    it somewhere it is never read."""
+    strangers = [key for key in state if not key.startswith(prefixes)] if prefixes else list(state)
+    if strangers:
+        holds = " or ".join(f"'{prefix}<layer>'" for prefix in prefixes) or "nothing"
+        raise ValueError(
+            f"{memory} keeps {holds}, and the state to load holds {', '.join(map(repr, strangers[:3]))}"
+            f"{' ...' if len(strangers) > 3 else ''}: it was saved with another feedback or codec"
+        )
+    return {
+        prefix: {key.removeprefix(prefix): value.clone() for key, value in state.items() if key.startswith(prefix)}
+        for prefix in prefixes
+    }
+
+
+def _check_shape(held: torch.Tensor, grad: torch.Tensor, *, layer: str, memory: str) -> None:
+    """A memory loaded from a state saved for another model must not be added to (or, of one
+    element, broadcast over) a gradient it does not fit."""
+    if held.shape != grad.shape:
+        raise ValueError(
+            f"{memory} of layer {layer!r} holds shape {tuple(held.shape)}, its gradient has {tuple(grad.shape)}: "
+            "the state loaded was saved for another model"
+        )
 
 
 def warms_up(codec: Codec) -> bool:
@@ -135,6 +164,8 @@ class DGCMemory(NoFeedback):
                 g = g * (self.clip_norm / norm)
         u = self.momentums.setdefault(layer, torch.zeros_like(g))
         v = self.velocities.setdefault(layer, torch.zeros_like(g))
+        _check_shape(u, g, layer=layer, memory="DGC's momentum")
+        _check_shape(v, g, layer=layer, memory="DGC's velocity")
         if self.nesterov:
             u.add_(g).mul_(self.momentum)
             v.add_(u).add_(g)
@@ -157,10 +188,8 @@ class DGCMemory(NoFeedback):
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.momentums = {k.removeprefix("momentum/"): t.clone() for k, t in state.items() if k.startswith("momentum/")}
-        self.velocities = {
-            k.removeprefix("velocity/"): t.clone() for k, t in state.items() if k.startswith("velocity/")
-        }
+        entries = _entries(state, prefixes=("momentum/", "velocity/"), memory="DGC")
+        self.momentums, self.velocities = entries["momentum/"], entries["velocity/"]
 
 
 class RoundMemory(NoFeedback):
@@ -206,9 +235,11 @@ class RoundMemory(NoFeedback):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.states = {}
-        for key, tensor in state.items():
-            layer, _, name = key.removeprefix("round/").rpartition("/")
-            self.states.setdefault(layer, {})[name] = tensor.clone()
+        for key, tensor in _entries(state, prefixes=("round/",), memory=f"{self.codec.name}'s memory")[
+            "round/"
+        ].items():
+            layer, _, name = key.rpartition("/")
+            self.states.setdefault(layer, {})[name] = tensor
 
 
 def make_feedback(kind: str, codec: Codec, **options: float) -> NoFeedback:

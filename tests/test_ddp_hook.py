@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_script
 
 import psgrad
@@ -105,6 +106,13 @@ def test_a_hook_without_parameter_names_says_how_to_give_them():
     hook = psgrad.ddp_hook("qsgd")
     with pytest.raises(TypeError, match="register it with the model as its state"):
         hook(None, None)
+
+
+def test_a_state_that_is_not_the_hooks_is_refused_by_name():
+    with pytest.raises(ValueError, match="not a psgrad.ddp_hook state_dict"):
+        psgrad.ddp_hook("qsgd", feedback="ef").load_state_dict({"residual/w": torch.zeros(3)})
+    with pytest.raises(ValueError, match="saved with another feedback or codec"):
+        psgrad.ddp_hook("powersgd:rank=2").load_state_dict({"step": torch.tensor(3), "residual/w": torch.zeros(3)})
 
 
 def test_framing_round_trips_and_refuses_malformed_buckets():

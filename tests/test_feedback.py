@@ -70,6 +70,34 @@ def test_state_round_trip(kind, tmp_path):
     assert torch.equal(first.codec.decode(first.encode("w", g, 9)), second.codec.decode(second.encode("w", g, 9)))
 
 
+@pytest.mark.parametrize(
+    "kind, spec, saved_as",
+    [("ef", "topk:ratio=0.2", ("dgc", "topk:ratio=0.2")), ("dgc", "topk:ratio=0.2", ("ef", "topk:ratio=0.2")),
+     ("none", "powersgd:rank=2", ("ef", "qsgd:levels=4")), ("none", "qsgd:levels=4", ("ef", "qsgd:levels=4"))],
+)  # fmt: skip
+def test_a_state_saved_by_another_memory_is_refused_by_name(kind, spec, saved_as):
+    """A checkpoint from a run with another feedback or codec: its keys would land where nothing
+    reads them (the memory silently starting afresh), so the load names them instead."""
+    other = make_feedback(saved_as[0], make_codec(saved_as[1]))
+    other.encode("w", torch.randn(4, 5), 0)
+    with pytest.raises(ValueError, match="saved with another feedback or codec"):
+        make_feedback(kind, make_codec(spec)).load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kind, spec", [("ef", "qsgd:levels=4"), ("dgc", "topk:ratio=0.2"), ("none", "powersgd:rank=2")]
+)
+def test_a_memory_saved_for_another_model_is_refused_at_its_layer(kind, spec):
+    """A memory of one element would broadcast over the gradient without a word; any other
+    shape would fail inside the arithmetic."""
+    saved = make_feedback(kind, make_codec(spec))
+    saved.encode("w", torch.randn(1, 1) if kind != "none" else torch.randn(32, 24), 0)
+    memory = make_feedback(kind, make_codec(spec))
+    memory.load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match="saved for another model"):
+        memory.encode("w", torch.randn(32, 16), 1)
+
+
 def test_unknown_feedback():
     with pytest.raises(ValueError, match="unknown feedback"):
         make_feedback("bogus", make_codec("none"))

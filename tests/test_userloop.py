@@ -96,6 +96,7 @@ def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
         assert "save after step()" in result["state_mid_step"], result
         assert "needs synchronize() first" in result["skip_without_synchronize"], result
         assert "one DistributedOptimizer per process" in result["second_optimizer"], result
+        assert "saved by rank" in result["anothers_state"] and "load each rank's own" in result["anothers_state"]
         assert result["went_on"] == "yes"
         assert result["broadcast_lr"] == 0.123 and result["momentum_buffers"] == 6, result  # every worker
 

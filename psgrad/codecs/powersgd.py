@@ -186,6 +186,7 @@ class PowerSGDCodec(Codec):
         """Step 1 above; ``state`` is this worker's memory of the layer (``q``, ``error``), updated."""
         shape = tuple(grad.shape)
         flat = grad.detach().reshape(-1).float()
+        self._check_state(state, shape)
         if self.params["ef"]:
             error = state.get("error")
             state["error"] = flat.clone() if error is None else error.add_(flat)
@@ -195,6 +196,18 @@ class PowerSGDCodec(Codec):
         q = state.get("q")
         state["q"] = self.initial_q(shape, seed) if q is None else orthonormalize(q, self.method)
         return {"p": times(state["m"].view(self.matrix_shape(shape)), state["q"])}
+
+    def _check_state(self, state: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+        """A memory loaded from a state saved for another model or rank does not fit ``shape``:
+        say so, rather than fail inside a product or send factors the server does not expect."""
+        q, error = state.get("q"), state.get("error")
+        fits_q = q is None or tuple(q.shape) == (self.matrix_shape(shape)[1], self.factor_rank(shape))
+        if not fits_q or (error is not None and error.numel() != math.prod(shape)):
+            held = {key: tuple(value.shape) for key, value in state.items()}
+            raise ValueError(
+                f"PowerSGD's memory of a layer of shape {shape} at rank {self.rank} holds {held}: "
+                "the state loaded was saved for another model or rank"
+            )
 
     def next_round(
         self, state: dict[str, torch.Tensor], shape: tuple[int, ...], reply: dict[str, torch.Tensor]

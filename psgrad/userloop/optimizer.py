@@ -172,6 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "psgrad": {
                 "step": self.step_index,
+                "rank": self.worker.transport.rank,
+                "ranks": self.worker.transport.size,
                 "feedback": self.worker.feedback.state_dict(),
                 "server": self.server.state_dict() if self.server is not None else {},
                 "server_memory": downmemory.fetch(**self._memory_exchange()) if self.memory_servers else {},
@@ -184,6 +186,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "not a psgrad.DistributedOptimizer state_dict (no 'psgrad' entry): load it into your optimizer"
             )
         ours = state_dict["psgrad"]
+        here = (self.worker.transport.rank, self.worker.transport.size)
+        saved = (ours.get("rank", here[0]), ours.get("ranks", here[1]))  # an older psgrad saved neither
+        if saved != here:
+            # each rank's memories are of its own gradients and its own shard of the layers
+            raise ValueError(
+                f"this state_dict was saved by rank {saved[0]} of {saved[1]}, and this is rank {here[0]} of "
+                f"{here[1]}: load each rank's own (e.g. ckpt-{{psgrad.rank()}}.pt), in a job of as many ranks"
+            )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.worker.feedback.load_state_dict(ours["feedback"])
         if self.server is not None:

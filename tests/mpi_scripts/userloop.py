@@ -211,7 +211,7 @@ def scenario_warmup(model: nn.Module, opt) -> dict:
 def raised(action) -> str:
     try:
         action()
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         return str(err)
     return ""
 
@@ -238,6 +238,10 @@ def scenario_misuse(model: nn.Module, opt) -> dict:
     opt.step()
     result["second_optimizer"] = raised(lambda: psgrad.DistributedOptimizer(sgd(model), model))
     train(model, opt, range(1, 3))  # and the loop goes on
+    anothers = copy.deepcopy(opt.state_dict())
+    anothers["psgrad"]["rank"] = (psgrad.rank() + 1) % psgrad.size()  # a file mixed up
+    result["anothers_state"] = raised(lambda: opt.load_state_dict(anothers))
+    train(model, opt, range(3, 4))  # nothing of it was loaded
     result["went_on"] = "yes"
     if psgrad.worker_index() == 0:  # the first worker's state reaches the others
         opt.param_groups[0]["lr"] = 0.123
