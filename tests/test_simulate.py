@@ -759,7 +759,13 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
     import psgrad.memory
     import psgrad.sim.simulate
 
-    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (100 << 20, 24 << 30))
+    looks = []  # the first look (before the ranks start) finds the memory free; the rest do not
+
+    def available():
+        looks.append(1)
+        return (24 << 30, 24 << 30) if len(looks) == 1 else (100 << 20, 24 << 30)
+
+    monkeypatch.setattr(psgrad.memory, "available_memory", available)
     steps_run = []
 
     def counted_loss(out, labels):
@@ -784,6 +790,25 @@ def test_a_simulation_that_runs_the_machine_out_of_memory_stops_with_a_message(m
     assert watch() is None  # one growth of 200 MiB: a one-off, not expected again
     resident[0] += 200 << 20
     assert watch() is not None  # growing on: twice 200 MiB more would go below the floor
+
+
+def test_a_simulation_whose_parameters_alone_cannot_fit_stops_before_any_rank_starts(monkeypatch, capfd):
+    """8 workers of a 32 MiB model hold at least 512 MiB of parameters and gradients: with 1 GiB
+    free of 24 (the floor is 3 %, 0.7 GiB) it is refused at once, not after filling the machine."""
+    import psgrad.memory
+
+    monkeypatch.setattr(psgrad.memory, "available_memory", lambda: (1 << 30, 24 << 30))
+    built = []
+
+    def big_model():
+        built.append(1)
+        return torch.nn.Linear(4096, 2048)  # 8 M parameters: 32 MiB
+
+    cfg = RunConfig(model="convnet", batch_size=8, steps=5, codec="none", progress=False, timeout=60)
+    with pytest.raises(MemoryError, match="8 workers' parameters and gradients alone take 0.5 GiB"):
+        simulate(cfg, 8, cores=1, model_fn=big_model, eval_data=[(torch.zeros(1, 4096), torch.zeros(1))])
+    assert len(built) == 1  # the one look at the model's size: no rank built its own
+    assert "[psgrad] stopping: 8 workers' parameters" in capfd.readouterr().err
 
 
 def test_a_wait_in_a_halted_simulation_raises_even_when_what_it_waits_for_has_come():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from ..config import RunConfig
 from ..context import LossFn
 from ..data import shared_loads
 from ..metrics import say
+from ..models import build_model
 from ..optim import OptimizerFn
 from ..roles import topology_of
 from ..runtime.signals import stop_reason
@@ -119,6 +121,23 @@ class MemoryWatch:
         )
 
 
+def _refuse_what_cannot_fit(cfg: RunConfig, workers: int, *, model_fn: Callable[[], nn.Module] | None) -> None:
+    """Stop before any rank starts when the workers' parameters and gradients alone, a floor of
+    what they hold, would not fit the memory left: ``MemoryWatch`` would stop the run anyway, but
+    only once the ranks had filled the machine, which takes minutes for a large model."""
+    model = (model_fn or partial(build_model, cfg.model, cfg.num_classes, **cfg.model_options))()
+    floor = 2 * workers * sum(p.numel() * p.element_size() for p in model.parameters())
+    short = memory.short_of(floor)
+    if short is not None:
+        reason = (
+            f"{workers} workers' parameters and gradients alone take {memory.gib(floor)}, and "
+            f"{memory.gib(short[0])} of the machine's {memory.gib(short[1])} of memory is free: fewer --workers "
+            "or a smaller model would fit"
+        )
+        say(f"[psgrad] stopping: {reason}")
+        raise MemoryError(reason)
+
+
 def simulate(
     cfg: RunConfig,
     workers: int,
@@ -139,6 +158,7 @@ def simulate(
     pass per worker. Raises the first error any rank hit. Torch's thread count, which is the
     process's and which every rank and stacked pass sets, is the caller's again on return."""
     size = world_size(cfg, workers)
+    _refuse_what_cannot_fit(cfg, workers, model_fn=model_fn)
     callers_threads = torch.get_num_threads()
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
     world.memory_check = MemoryWatch(size)
