@@ -160,6 +160,28 @@ def test_a_signal_stops_the_running_job_and_says_so(tmp_path, signal_name, group
     assert left.returncode == 1, left.stderr  # 1: no such process; anything else: pgrep failed
 
 
+def test_a_stop_after_measured_runs_still_tables_and_writes_them(tmp_path):
+    """Ctrl-C in the second row: the first row's run, measured, is tabled and written to --json
+    (an hour of rounds is not lost to the last one), and the status is still Ctrl-C's 130."""
+    import json
+
+    def second_row_started(err: str) -> bool:  # its job's start-up alone takes seconds
+        return "[bench 2/2]" in err
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *SMALL, "--steps", "1500"]
+    proc = interrupt_when(
+        [*cmd, "--lr", "0.01", "--codecs", "none;sign", "--json", str(out)],
+        second_row_started, tmp_path / "err", env=OUTSIDE_MPI,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "in run 2/2: its job was stopped; the table holds the runs measured before it" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(row["codec"], row["runs"]) for row in rows] == [("none", 1)]
+    assert "\nnone " in proc.stdout
+
+
 def test_baselines_need_the_launcher():
     proc = run_mpi(
         [sys.executable, "-m", "psgrad", "bench", *SMALL, "--codecs", "none", "--baselines", "ddp"], timeout=120
@@ -209,6 +231,8 @@ def test_bad_bench_options(tmp_path):
     assert proc.returncode == 2 and "--powersgd-rank is the ddp-powersgd baseline's" in proc.stderr
     proc = _launcher(["--codecs", "sign --dgc-momentum 0.5"])  # a row's own option that means nothing to it
     assert proc.returncode == 2 and "--dgc-momentum is DGC's" in proc.stderr
+    proc = _launcher(["--codecs", "none --steps 5"])  # every row ran the bench's --steps without a word
+    assert proc.returncode == 2 and "--steps is not a row's to set" in proc.stderr, proc.stderr[-2000:]
     for empty in ("", " ; "):  # it was a ValueError traceback from max() over no rows
         proc = _launcher(["--codecs", empty])
         assert proc.returncode == 2 and "no rows to measure" in proc.stderr and "Traceback" not in proc.stderr

@@ -106,6 +106,17 @@ def item_api(item: str) -> tuple[str, str]:
     return shlex.join(words[:at] + words[at + 2 :]), words[at + 1]
 
 
+_BENCH_SETS = {
+    "steps": "every row runs the bench's --steps after its --warmup-steps",
+    "epochs": "every row runs the bench's --steps after its --warmup-steps",
+    "eval_every_epochs": "a row evaluates only with --target-accuracy, every --eval-every-steps",
+    "eval_background": "a row evaluates in the foreground, its time taken out of the clock",
+    "log_dir": "the bench's --log-dir keeps each row's logs in a folder of its own",
+    "resume": "every run of a row starts afresh",
+}
+"""The run settings the bench sets for every row, which a row's own options cannot change."""
+
+
 def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     """Split an item into its codec spec (or baseline name) and the run it needs.
 
@@ -115,6 +126,8 @@ def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
     """
     head, *rest = shlex.split(item_api(item)[0]) or [""]
     overrides = option_overrides(rest) if rest else {}
+    if taken := sorted(overrides.keys() & _BENCH_SETS.keys()):
+        raise ValueError(f"{item!r}: --{taken[0].replace('_', '-')} is not a row's to set: {_BENCH_SETS[taken[0]]}")
     if head not in BASELINES:
         overrides["codec"] = head
     run = replace(cfg, **overrides).validate()
@@ -249,6 +262,7 @@ class Measured:
 
     results: dict[str, list[dict]]
     failed: dict[str, str] = field(default_factory=dict)
+    interrupted: BaseException | None = None  # Ctrl-C or SIGTERM after some runs: raise it after their table
 
 
 def orchestrate(
@@ -268,7 +282,8 @@ def orchestrate(
 ) -> Measured:
     """Run every item ``repeat`` times, interleaved, each as its own mpiexec job. A job that fails
     or overruns ``timeout`` fails its item, said at once and skipped in later rounds, and the others
-    go on (an hour of rows is not lost to the last); Ctrl-C or SIGTERM stops the job and the bench."""
+    go on (an hour of rows is not lost to the last); Ctrl-C or SIGTERM stops the job and the bench,
+    whose runs measured before it are returned with the stop in ``interrupted``."""
     from contextlib import nullcontext
 
     from .netshape import ShapedNetwork, check_available
@@ -300,8 +315,13 @@ def orchestrate(
                         job, Path(tmp) / f"job-{done}", ranks=n, on_line=_evaluations_said(run) if target else None
                     )
                 except KeyboardInterrupt as err:
-                    say(f"[bench] {stop_reason(err)[0]} in run {done}/{total}: its job was stopped, no table")
-                    raise
+                    stopped = f"[bench] {stop_reason(err)[0]} in run {done}/{total}: its job was stopped"
+                    if not any(measured.results.values()):
+                        say(f"{stopped}, no table")
+                        raise
+                    say(f"{stopped}; the table holds the runs measured before it")
+                    measured.interrupted = err
+                    return measured
                 except BenchError as err:
                     measured.failed[item] = err.reason
                     say(f"{run}   failed: {err}")

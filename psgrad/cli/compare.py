@@ -55,7 +55,8 @@ def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | None) ->
     "bench_codecs",
     default="none;qsgd:levels=16 --down-codec qsgd:levels=16;powersgd:rank=8",
     help="Codec specs to compare, separated by ';' (none is the speed-up baseline); a spec may be followed by "
-    "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01', and "
+    "train options for its row only, e.g. 'topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01' (not "
+    "--steps, --epochs, --log-dir, --resume or when to evaluate: those are the bench's, for every row), and "
     "by --api optimizer: the row trained by a plain torch loop with psgrad.DistributedOptimizer (docs/api.md). "
     "The default rows are the combinations at dense accuracy on the accuracy proxy and on a held-out real image set (docs/benchmarks.md).",
 )
@@ -310,6 +311,8 @@ def _bench_by_launcher(
     bench_results.report(
         rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", **report
     )
+    if measured.interrupted is not None:  # after the table of the runs before it: the stop's own status
+        raise measured.interrupted
     if failed:  # after the table: the rows it lacks, and a status a script can see
         raise click.ClickException(
             f"{len(measured.failed)} of {len(measured.results)} rows failed, not in the table:{failed}"
