@@ -140,6 +140,19 @@ def test_init_refuses_a_setting_your_loop_would_ignore(settings, says):
     assert psgrad.userloop.world._WORLD is None
 
 
+def test_a_script_started_without_mpiexec_under_ps_is_told_how_to_start():
+    """One rank cannot hold a server and a worker: the message names the script's own launch
+    (it used to point at psgrad simulate, which runs psgrad's loop, not a script)."""
+    import sys
+
+    from conftest import run_bounded
+
+    done = run_bounded([sys.executable, "-c", "import psgrad; psgrad.init(codec='none')"], 60)
+    assert done.returncode != 0
+    assert "needs at least 2 ranks, and this job has 1: start the script with mpiexec -n 3" in done.stderr, done.stderr
+    assert "psgrad simulate" not in done.stderr
+
+
 def test_docs_name_every_setting_init_takes():
     """docs/api.md lists exactly the settings table's ``your_loop`` settings."""
     text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()

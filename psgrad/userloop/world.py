@@ -36,6 +36,7 @@ from ..config import RunConfig
 from ..config.refusals import your_loop_config
 from ..context import RunContext
 from ..metrics import say
+from ..roles import topology_of
 from ..settings import settings_of
 from ..startup import prepare
 
@@ -71,6 +72,7 @@ def init(**settings) -> None:
         settings[RENAMED[name]] = settings.pop(name)
     cfg = _your_loop_config(settings)
     transport = Transport()
+    _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
@@ -92,6 +94,18 @@ def _your_loop_config(settings: dict) -> RunConfig:
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
     return cfg
+
+
+def _refuse_too_few_ranks(cfg: RunConfig, *, ranks: int) -> None:
+    """A script started without mpiexec (or with too few ranks) under ps: say how to start it, as
+    the layout's own message speaks of psgrad's commands (``psgrad simulate``), not of a script."""
+    needed = topology_of(cfg.topology).ranks_needed(workers=1, servers=cfg.servers)
+    if ranks < needed:
+        raise ValueError(
+            f"psgrad.init: topology={cfg.topology!r} with {cfg.servers} server(s) needs at least {needed} ranks, "
+            f"and this job has {ranks}: start the script with mpiexec -n {needed + 1} python ... ({cfg.servers} "
+            "server(s) and 2 workers), or pass topology='colocated', where every rank works and serves"
+        )
 
 
 def _end_job_on_error(previous):
