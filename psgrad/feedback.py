@@ -235,9 +235,8 @@ class RoundMemory(NoFeedback):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.states = {}
-        for key, tensor in _entries(state, prefixes=("round/",), memory=f"{self.codec.name}'s memory")[
-            "round/"
-        ].items():
+        entries = _entries(state, prefixes=("round/",), memory=f"{self.codec.name}'s memory")["round/"]
+        for key, tensor in entries.items():
             layer, _, name = key.rpartition("/")
             self.states.setdefault(layer, {})[name] = tensor
 

@@ -205,8 +205,8 @@ class PowerSGDCodec(Codec):
         if not fits_q or (error is not None and error.numel() != math.prod(shape)):
             held = {key: tuple(value.shape) for key, value in state.items()}
             raise ValueError(
-                f"PowerSGD's memory of a layer of shape {shape} at rank {self.rank} holds {held}: "
-                "the state loaded was saved for another model or rank"
+                f"PowerSGD's memory (rank {self.rank}) of a layer of shape {shape} holds {held}: "
+                "the state loaded was saved for another model or PowerSGD rank"
             )
 
     def next_round(
