@@ -109,7 +109,7 @@ def test_the_bench_default_rows_were_measured_at_parity():
     """`psgrad bench`'s default rows are what it recommends: each must have a measurement at or
     above the bar on both datasets (dense itself aside), so a row that trailed dense cannot
     become a default."""
-    from psgrad.bench.launcher import item_config
+    from psgrad.bench.rows import item_config
     from psgrad.cli import bench
 
     default = next(p.default for p in bench.params if p.name == "bench_codecs")

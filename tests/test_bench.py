@@ -587,7 +587,8 @@ def test_the_progress_bar_shows_the_rate_of_the_last_steps_not_of_one():
 def test_a_row_through_your_own_loop_is_a_row_option_of_its_own():
     """``--api optimizer`` is taken out of the row before its train options are parsed, is
     checked, and belongs to codec rows only."""
-    from psgrad.bench.launcher import BenchError, item_api, item_config, run_in_mpi
+    from psgrad.bench.launcher import BenchError, run_in_mpi
+    from psgrad.bench.rows import item_api, item_config
     from psgrad.config import RunConfig
 
     row = "powersgd:rank=8 --topology colocated --api optimizer"

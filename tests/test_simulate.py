@@ -452,7 +452,7 @@ def test_an_option_left_at_its_default_or_taken_from_a_config_is_not_refused(tmp
 
 
 def test_a_bench_row_with_an_option_that_means_nothing_to_it_is_refused():
-    from psgrad.bench.launcher import item_config
+    from psgrad.bench.rows import item_config
 
     with pytest.raises(ValueError, match="--dgc-momentum is DGC's"):
         item_config("sign --dgc-momentum 0.5", RunConfig())

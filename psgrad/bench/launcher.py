@@ -44,14 +44,12 @@ from pathlib import Path
 
 from ..checkpoint import step_dirs
 from ..config import RunConfig
-from ..config.refusals import refuse_unused
 from ..metrics import say
-from ..options import option_overrides
-from ..roles import topology_of
 from ..runtime.signals import stop_reason
 from .baselines import BASELINES
 from .jobs import BenchError, launcher_args, row_log_dir, run_job
 from .results import BREAKDOWN, NAN, target_note
+from .rows import item_api, item_config, ranks_for
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 
@@ -88,53 +86,6 @@ def measure(rows: list[dict], warmup: int, evals: list[dict] = ()) -> dict:
 
 
 # ---------------------------------------------------------------------- one run (under MPI)
-API_CHOICES = ("train", "optimizer")
-"""How a codec row trains: ``train`` (psgrad's loop, the default) or ``optimizer`` (a plain torch
-loop with ``psgrad.DistributedOptimizer``, psgrad/bench/ownloop.py)."""
-
-
-def item_api(item: str) -> tuple[str, str]:
-    """The item without its ``--api X`` option, and X (``train`` when not given)."""
-    words = shlex.split(item)
-    if "--api" not in words:
-        return item, "train"
-    at = words.index("--api")
-    if at + 1 >= len(words) or words[at + 1] not in API_CHOICES:
-        raise BenchError(f"{item!r}: --api must be one of {', '.join(API_CHOICES)}")
-    if words[0] in BASELINES:
-        raise BenchError(f"{item!r}: --api is a codec row's option; {words[0]} is a baseline")
-    return shlex.join(words[:at] + words[at + 2 :]), words[at + 1]
-
-
-_BENCH_SETS = {
-    "steps": "every row runs the bench's --steps after its --warmup-steps",
-    "epochs": "every row runs the bench's --steps after its --warmup-steps",
-    "eval_every_epochs": "a row evaluates only with --target-accuracy, every --eval-every-steps",
-    "eval_background": "a row evaluates in the foreground, its time taken out of the clock",
-    "log_dir": "the bench's --log-dir keeps each row's logs in a folder of its own",
-    "resume": "every run of a row starts afresh",
-}
-"""The run settings the bench sets for every row, which a row's own options cannot change."""
-
-
-def item_config(item: str, cfg: RunConfig) -> tuple[str, RunConfig]:
-    """Split an item into its codec spec (or baseline name) and the run it needs.
-
-    An item is a codec spec or baseline name, optionally followed by train options that hold for
-    that row only: ``topk:ratio=0.01 --feedback ef --down-codec topk:ratio=0.01``; ``--api
-    optimizer`` trains the row through your own loop instead (``item_api``).
-    """
-    head, *rest = shlex.split(item_api(item)[0]) or [""]
-    overrides = option_overrides(rest) if rest else {}
-    if taken := sorted(overrides.keys() & _BENCH_SETS.keys()):
-        raise ValueError(f"{item!r}: --{taken[0].replace('_', '-')} is not a row's to set: {_BENCH_SETS[taken[0]]}")
-    if head not in BASELINES:
-        overrides["codec"] = head
-    run = replace(cfg, **overrides).validate()
-    refuse_unused([name for name in overrides if name != "codec"], run)
-    return head, run
-
-
 def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
     """Time to accuracy from a run's metrics rows (one per step, in order) and evaluations.
 
@@ -248,13 +199,6 @@ def run_in_mpi(
 
 
 # ---------------------------------------------------------------------- the launcher
-def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
-    head, cfg = item_config(item, cfg)
-    if head in BASELINES:
-        return workers
-    return topology_of(cfg.topology).ranks_needed(workers=workers, servers=cfg.servers)
-
-
 @dataclass
 class Measured:
     """What the launcher measured: each item's result per round it ran, and the one-line reason
@@ -263,6 +207,17 @@ class Measured:
     results: dict[str, list[dict]]
     failed: dict[str, str] = field(default_factory=dict)
     interrupted: BaseException | None = None  # Ctrl-C or SIGTERM after some runs: raise it after their table
+
+    def stop(self, err: KeyboardInterrupt, *, run: str) -> Measured:
+        """Ctrl-C or SIGTERM in ``run``: raised again when no run was measured yet; else kept in
+        ``interrupted``, and the runs measured before it are what the bench returns."""
+        stopped = f"[bench] {stop_reason(err)[0]} in {run}: its job was stopped"
+        if not any(self.results.values()):
+            say(f"{stopped}, no table")
+            raise err
+        say(f"{stopped}; the table holds the runs measured before it")
+        self.interrupted = err
+        return self
 
 
 def orchestrate(
@@ -315,13 +270,7 @@ def orchestrate(
                         job, Path(tmp) / f"job-{done}", ranks=n, on_line=_evaluations_said(run) if target else None
                     )
                 except KeyboardInterrupt as err:
-                    stopped = f"[bench] {stop_reason(err)[0]} in run {done}/{total}: its job was stopped"
-                    if not any(measured.results.values()):
-                        say(f"{stopped}, no table")
-                        raise
-                    say(f"{stopped}; the table holds the runs measured before it")
-                    measured.interrupted = err
-                    return measured
+                    return measured.stop(err, run=f"run {done}/{total}")
                 except BenchError as err:
                     measured.failed[item] = err.reason
                     say(f"{run}   failed: {err}")

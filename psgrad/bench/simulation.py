@@ -41,7 +41,7 @@ from ..runtime.allocator import keep_freed_memory
 from ..sim.simulate import simulate
 from .baselines import train_rows
 from .codecbench import cpu_name
-from .launcher import item_config
+from .rows import item_config
 
 WARMUP = 5
 _STACKING = {

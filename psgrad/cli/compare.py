@@ -225,7 +225,7 @@ def _bench_settings(options: dict, *, warmup: int, target_accuracy: float | None
 
 def _bench_rows(bench_codecs: str, baselines: list[str], cfg) -> list[str]:
     """The codec rows of ``--codecs``, each with its own options checked (as are the baselines')."""
-    from ..bench import launcher as bench_module
+    from ..bench.rows import item_config
 
     specs = [s.strip() for s in bench_codecs.split(";") if s.strip()]
     if not specs and not baselines:
@@ -234,7 +234,7 @@ def _bench_rows(bench_codecs: str, baselines: list[str], cfg) -> list[str]:
         )
     for item in specs + baselines:
         try:
-            bench_module.item_config(item, cfg)
+            item_config(item, cfg)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--codecs") from None
     if set_off_default("powersgd_rank") and "ddp-powersgd" not in baselines:
@@ -277,6 +277,7 @@ def _bench_by_launcher(
     from ..bench import results as bench_results
     from ..bench.jobs import BenchError, find_mpiexec
     from ..bench.netshape import ShapeError, parse_rate
+    from ..bench.rows import item_config
 
     bandwidth = launch["bandwidth"]
     try:
@@ -299,7 +300,7 @@ def _bench_by_launcher(
     failed = "".join(f"\n  {item}: {reason}" for item, reason in measured.failed.items())
     if not any(measured.results.values()):
         raise click.ClickException(f"every row failed, no table:{failed}")
-    topologies = {item: bench_module.item_config(item, cfg)[1].topology for item in specs}
+    topologies = {item: item_config(item, cfg)[1].topology for item in specs}
     rows = bench_results.summarize(
         measured.results,
         servers=cfg.servers,
