@@ -155,10 +155,10 @@ def load_model(log_dir: str | Path) -> torch.nn.Module:
     for name in ("config.json", "model.pt"):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory / name}: missing (a run with --log-dir {log_dir} writes it at its end)")
-    text = (directory / "config.json").read_text()
-    cfg = RunConfig.from_json(text)
+    saved = json.loads((directory / "config.json").read_text())
+    cfg = RunConfig.from_dict(saved)
     model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
-    trained = json.loads(text).get("run", {}).get("model", type(model).__name__)
+    trained = saved.get("run", {}).get("model", type(model).__name__)
     yours = "build it, then load_state_dict(torch.load(model.pt, weights_only=True))"
     if trained != type(model).__name__:  # train.run(model_fn=...): config.json's --model is not it
         raise CheckpointError(f"{directory} trained a model of your own ({trained}), not psgrad's {cfg.model}: {yours}")

@@ -334,7 +334,7 @@ def _child(job_path: str) -> None:
     from ..comm.transport import finalize_and_exit
 
     job = json.loads(Path(job_path).read_text())
-    cfg = replace(RunConfig.from_json(json.dumps(job["config"])), log_dir=job["log_dir"])
+    cfg = replace(RunConfig.from_dict(job["config"]), log_dir=job["log_dir"])
     try:
         m = run_item(
             job["item"],

@@ -206,9 +206,14 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"a JSON object of settings expected, got a {type(data).__name__}")
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, given: object) -> RunConfig:
+        """The settings of a config.json already parsed (``given`` is left as it was)."""
+        if not isinstance(given, dict):
+            raise ValueError(f"a JSON object of settings expected, got a {type(given).__name__}")
+        data = dict(given)
         data.pop("run", None)  # what the run was (world size, versions, host), not a setting
         for old, new in RENAMED.items():  # an older run's config.json
             if old in data:
