@@ -328,20 +328,21 @@ def test_a_resumed_simulation_ends_where_an_uninterrupted_one_does(tmp_path, top
 
 def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     """`psgrad simulate --resume D/ckpt-step3 --steps 6` continues D's run with its own settings and
-    logs into D (each step once, the model of the uninterrupted run); resuming with another --lr
-    says so at start-up and trains; resuming with --feedback none
-    is one error that names the changed setting, not a traceback from deep in the worker; resuming
-    a finished run says how to train on; another number of workers, or no checkpoint, is a usage
-    error before any rank starts."""
+    workers and logs into D (each step once, the model of the uninterrupted run); ``--config D``
+    reruns it with its workers too; resuming with another --lr says so at start-up and trains;
+    resuming with --feedback none is one error that names the changed setting, not a traceback
+    from deep in the worker; resuming a finished run says how to train on; another number of
+    workers, or no checkpoint, is a usage error before any rank starts."""
     run = tmp_path / "run"
     first = ["simulate", "--workers", "2", "--model", "mlp", "--batch-size", "8", "--steps", "6"]
     first += ["--checkpoint-every-steps", "3", "--codec", "topk:ratio=0.1", "--feedback", "ef", "--no-progress"]
     done = CliRunner().invoke(main, [*first, "--log-dir", str(run)])
     assert done.exit_code == 0, done.output[-3000:]
     whole = torch.load(run / "model.pt", weights_only=True)
-    again = ["simulate", "--workers", "2", "--resume", str(run / "ckpt-step3"), "--steps", "6", "--no-progress"]
-    done = CliRunner().invoke(main, again)
+    again = ["simulate", "--resume", str(run / "ckpt-step3"), "--steps", "6", "--no-progress"]
+    done = CliRunner().invoke(main, again)  # no --workers: the checkpoint's 2, not the default 4
     assert done.exit_code == 0, done.output[-3000:]
+    assert "(1 serving, 2 working)" in done.stderr
     assert "changed since the run" not in done.stderr  # its own settings: nothing to say
     assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
     resumed = torch.load(run / "model.pt", weights_only=True)
@@ -357,6 +358,9 @@ def test_resume_alone_continues_the_run_and_a_misfit_setting_is_named(tmp_path):
     assert "Traceback" not in misfit.stderr  # the one line says it all
     assert json.loads((run / "config.json").read_text())["feedback"] == "ef"  # the failed resume changed nothing
     assert [row["step"] for row in metrics_rows(run)] == [str(step) for step in range(6)]
+    rerun = ["simulate", "--config", str(run), "--log-dir", str(tmp_path / "rerun"), "--steps", "1"]
+    rerun = CliRunner().invoke(main, [*rerun, "--no-progress"])  # --config: that run's workers too
+    assert rerun.exit_code == 0 and "(1 serving, 2 working)" in rerun.stderr, rerun.output[-3000:]
     more = CliRunner().invoke(main, ["simulate", "--workers", "3", "--resume", str(run)])  # one usage error, early
     assert more.exit_code == 2 and "written by 3 ranks, this job has 4: simulate --workers 2" in more.output
     (tmp_path / "empty").mkdir()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
-from ..options import SectionedCommand, config_option, run_options, run_settings
+from ..options import SectionedCommand, config_option, on_command_line, run_options, run_settings
 from .checks import require_data, require_resumable
 from .group import main
 
@@ -76,12 +77,40 @@ def worker(**options) -> None:
     _train("worker", options)
 
 
+def _recorded_workers(cfg, *, config_path: str | None) -> int | None:
+    """The workers of the run that ``--resume`` continues (the ranks that wrote its checkpoint) or
+    ``--config`` reruns (its config.json's job size), less the servers; None when neither says."""
+    import json
+
+    from .. import checkpoint
+    from ..roles import topology_of
+
+    ranks = None
+    if cfg.resume:
+        try:
+            ranks = checkpoint.written_ranks(cfg.resume)
+        except checkpoint.CheckpointError:
+            return None  # require_resumable says what is wrong with it
+    elif config_path is not None:
+        path = Path(config_path)
+        path = path / "config.json" if path.is_dir() else path
+        run = json.loads(path.read_text()).get("run")  # run_settings has read it: JSON of an object
+        ranks = run.get("world_size") if isinstance(run, dict) else None
+    if not isinstance(ranks, int):
+        return None
+    try:
+        return topology_of(cfg.topology).rank_layout(world=ranks, servers=cfg.servers).num_workers
+    except ValueError:
+        return None  # a job size this topology cannot take: world_size() below says why
+
+
 @main.command(cls=SectionedCommand)
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=4,
-    help="Workers to simulate; the ps topology adds its --servers ranks, the others run one rank per worker.",
+    help="Workers to simulate; the ps topology adds its --servers ranks, the others run one rank per worker "
+    "[default: 4; with --resume or --config, as many as that run had].",
 )
 @click.option(
     "--cores",
@@ -111,8 +140,11 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
 
     if launched_ranks() > 1:
         raise click.UsageError("psgrad simulate runs every rank in this one process: start it without mpiexec")
+    config_path = options.get("config_path")
     cfg = run_settings(options)
     require_data(cfg)
+    if not on_command_line("workers"):
+        workers = _recorded_workers(cfg, config_path=config_path) or workers
     try:
         size = world_size(cfg, workers)
     except ValueError as err:
