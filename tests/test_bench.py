@@ -527,6 +527,17 @@ def test_codec_report_per_size_and_per_model(tmp_path):
     assert kept.exit_code == 0 and "none" in kept.stdout, kept.output
 
 
+def test_a_codec_table_keeps_its_columns_under_a_long_spec():
+    """A spec longer than the codec column (PowerSGD's, with its defaults) widens the column: its
+    row's numbers stay under their headings."""
+    from psgrad.bench import codecbench
+
+    rows = codecbench.run(("powersgd:rank=2", "none"), sizes=(1024,), repeat=1)
+    assert len(rows[0].codec) > 40
+    head, _, *lines = codecbench.table(rows).splitlines()[1:]
+    assert {len(line) for line in lines} == {len(head)}
+
+
 def test_bench_table_is_narrow_by_default_with_a_legend():
     from psgrad.bench.results import BREAKDOWN, BenchRow, table
 

@@ -189,14 +189,15 @@ def machine() -> dict[str, str | int]:
 
 def table(rows: list[CodecRow]) -> str:
     """One table per gradient size (or model), each under a line with its size and memcpy rate."""
-    head = f"{'codec':40s} {'bytes':>10s} {'ratio':>7s} {'bits/el':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'rt GB/s':>8s} {'rt/memcpy':>9s}"
+    width = max([40, *(len(r.codec) for r in rows)])  # a long spec widens the column, never shifts a row
+    head = f"{'codec':{width}s} {'bytes':>10s} {'ratio':>7s} {'bits/el':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'rt GB/s':>8s} {'rt/memcpy':>9s}"
     lines: list[str] = []
     for (size, tensors), group in _groups(rows):
         what = f"{size:,} fp32 elements ({4 * size / 1e6:.1f} MB)" + (f" in {tensors} tensors" if tensors > 1 else "")
         lines += ["", f"{what}; memcpy of the same bytes {group[0].memcpy_gbps:.2f} GB/s", head, "-" * len(head)]
         for r in group:
             lines.append(
-                f"{r.codec:40s} {r.wire_bytes:10d} {r.ratio:7.1f} {r.bits_per_element:7.3f} "
+                f"{r.codec:{width}s} {r.wire_bytes:10d} {r.ratio:7.1f} {r.bits_per_element:7.3f} "
                 f"{r.encode_gbps:9.2f} {r.decode_gbps:9.2f} {r.roundtrip_gbps:8.2f} {r.roundtrip_gbps / r.memcpy_gbps:9.4f}"
             )
     return "\n".join(lines[1:])
