@@ -19,6 +19,7 @@ from torch import nn
 
 from .comm.protocol import GradientGate, Layer, layer_grad
 from .config import RunConfig
+from .devices import outside_autocast
 from .models.layout import in_layout, map_tensors, memory_format
 from .models.step import StepStart
 
@@ -196,7 +197,11 @@ class Backprop:
 
             return hook
 
-        return [p.register_post_accumulate_grad_hook(hook_for(n)) for n, p in params.items() if p.requires_grad]
+        return [
+            p.register_post_accumulate_grad_hook(outside_autocast(hook_for(n), p.device))
+            for n, p in params.items()
+            if p.requires_grad
+        ]
 
     def gradient(self, params: dict[str, torch.Tensor], layer: Layer) -> torch.Tensor:
         """``layer``'s flat gradient with the loss scale divided away (a new tensor if scaled)."""

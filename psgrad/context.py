@@ -197,7 +197,7 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
     model = cfg.model if named_model else type(ctx.model).__name__
     params = sum(p.numel() for p in ctx.model.parameters())
     print(
-        f"[psgrad] {ctx.transport.size} ranks{'' if ctx.transport.separate_processes else ' simulated in one process'} "
+        f"[psgrad] {ctx.transport.size} rank{'s' if ctx.transport.size != 1 else ''}{'' if ctx.transport.separate_processes else ' simulated in one process'} "
         f"({servers} serving, {layout.num_workers} working), topology "
         f"{cfg.topology}, mode {cfg.mode}, model {model} ({params:,} params, {len(ctx.layers)} messages/step), "
         f"data {ctx.label}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}, "

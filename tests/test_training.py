@@ -847,7 +847,8 @@ def _losses(log) -> list[float]:
 @pytest.mark.parametrize("topology,ranks", [("ps", 3), ("colocated", 2), ("alltoall", 2)])
 def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ranks):
     """--accumulate 4 (micro-batches of 8) follows --accumulate 1 (MLP: no BatchNorm, so the same
-    gradient up to rounding); --clip-grad-norm and --amp bf16/fp16 run and stay finite."""
+    gradient up to rounding); --clip-grad-norm and --amp bf16/fp16 run and stay finite, with
+    PowerSGD's rounds too."""
     base = ["--model", "mlp", "--steps", "6", "--batch-size", "32"]
     base += ["--no-progress", "--topology", topology, "--eval-every-epochs", "0"]
     runs = {
@@ -855,6 +856,8 @@ def test_accumulate_clip_and_amp_train_on_every_topology(tmp_path, topology, ran
         "accumulate": ["--accumulate", "4"],
         "features": ["--clip-grad-norm", "0.5", "--amp", "bf16", "--accumulate", "2"],
         "fp16": ["--amp", "fp16", "--on-nonfinite", "skip", "--codec", "sign", "--feedback", "ef"],
+        # PowerSGD's rounds finish in a forward pre-hook, inside the autocast: still coded in fp32
+        "powersgd": ["--amp", "bf16", "--codec", "powersgd:rank=2"],
     }
     out = train_runs(tmp_path, {name: [*base, *extra] for name, extra in runs.items()}, n=ranks, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

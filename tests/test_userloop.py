@@ -89,6 +89,15 @@ def test_a_loss_scale_unscales_the_mean_gradient(tmp_path):
         assert result["reference"] < 1e-6, result
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_backward_inside_autocast_still_codes_in_fp32(tmp_path, topology):
+    """Forward and backward inside a bf16 autocast block: psgrad's hooks run inside it, and
+    PowerSGD's products in bf16 could not go on the wire (they did, and failed). The run ends
+    near the same steps without autocast (only the forward's rounding differs)."""
+    for result in _results(tmp_path, "autocast", topology, "powersgd:rank=2"):
+        assert result["autocast"] < 0.05, result
+
+
 def test_misuse_raises_a_clear_error_and_the_loop_goes_on(tmp_path):
     for result in _results(tmp_path, "misuse", "colocated", "none"):
         assert "before step() or synchronize()" in result["zero_grad"], result

@@ -50,6 +50,7 @@ from ..comm.protocol import (
 )
 from ..comm.waiting import Patience
 from ..context import RunContext
+from ..devices import outside_autocast
 from ..feedback import NoFeedback
 from .clock import StepClock
 from .local import LocalSteps
@@ -197,7 +198,7 @@ class Worker(Rounds, LocalSteps):
             for index in indices:
                 self.finish_pull(index)
 
-        return hook
+        return outside_autocast(hook, self.device)  # under the forward's autocast: code in fp32
 
     def finish_pull(self, index: int) -> None:
         if index not in self.pulls:

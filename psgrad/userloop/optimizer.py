@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..comm.protocol import Layer, StepStats
+from ..devices import outside_autocast
 from ..engine import downmemory
 from ..engine.serving import SyncServer
 from ..engine.worker import Worker
@@ -80,7 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # pre-hook of every module with parameters (as psgrad train's worker does), as well as
             # in the backward hooks and the waits
             owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-            self._hooks += [m.register_forward_pre_hook(self._serve) for m in owners]
+            self._hooks += [m.register_forward_pre_hook(outside_autocast(self._serve, device)) for m in owners]
         w.closers.append(self._close)
         w.optimizers += 1
         broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model

@@ -23,7 +23,9 @@ codec and feedback must equal psgrad's (the servers' sum of the same messages). 
 reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_norm_``, then
 ``step()`` inside ``skip_synchronize()``, against the reference clipping the mean gradient.
 Scenario ``scaler``: a loss scale (``GradScaler``): ``synchronize()``, ``unscale_``, then the
-scaler's step inside ``skip_synchronize()``, against the reference. Scenario ``misuse``: each
+scaler's step inside ``skip_synchronize()``, against the reference. Scenario ``autocast``: forward
+and backward inside a bf16 autocast block (psgrad's coding must stay fp32), against the same steps
+without autocast, from the same state. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
@@ -60,11 +62,12 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(model, opt, steps) -> None:
+def train(model, opt, steps, autocast: bool = False) -> None:
     for step in steps:
         opt.zero_grad()
         images, labels = batch(psgrad.worker_index(), step)
-        F.cross_entropy(model(images), labels).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            F.cross_entropy(model(images), labels).backward()
         opt.step()
 
 
@@ -188,6 +191,18 @@ def scenario_scaler(model: nn.Module, opt) -> dict:
             scaler.step(opt)
         scaler.update()
     return {"reference": largest_difference(model, reference(psgrad.num_workers()))}
+
+
+def scenario_autocast(model: nn.Module, opt) -> dict:
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
+    train(model, opt, range(STEPS), autocast=True)
+    mixed = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, range(STEPS))
+    return {
+        "autocast": max(float((a - p.detach()).abs().max()) for a, p in zip(mixed, model.parameters(), strict=True))
+    }
 
 
 def scenario_warmup(model: nn.Module, opt) -> dict:
@@ -314,6 +329,8 @@ def main() -> None:
         result = scenario_scaler(model, opt)
     elif scenario == "warmup":
         result = scenario_warmup(model, opt)
+    elif scenario == "autocast":
+        result = scenario_autocast(model, opt)
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
         result = {}
