@@ -220,6 +220,13 @@ def test_a_link_bound_cell_keeps_its_figure():
         (["--batch-size", "8"], "means nothing beside --step-ms"),
         (["--servers", "2"], "every rank serves a shard under colocated"),
         (["--servers", "2", "--topology", "ddp"], "--servers means nothing to --topology ddp"),
+        # runs that cannot be started: planned without a word before these were checked
+        (["--topology", "ddp-powersgd"], "give --codec powersgd:rank=R"),
+        (["--topology", "ddp", "--codec", "sign"], "the dense gradient: --codec none"),
+        (["--topology", "ddp", "--local-steps", "4"], "torch DDP's step: no --down-codec, --local-steps"),
+        (["--topology", "ring", "--codec", "powersgd"], "powersgd needs a server's rounds"),
+        (["--topology", "alltoall", "--local-steps", "4"], "--local-steps needs servers"),
+        (["--topology", "alltoall", "--down-codec", "sign"], "--topology alltoall has no servers"),
     ],
 )
 def test_the_command_says_what_is_wrong(args, fragment):

@@ -199,6 +199,8 @@ def plan(
     _check(codecs=(codec, down_codec), local_steps=local_steps, overlap_exchange=overlap_exchange,
            overlap_steps=overlap_steps, fragments=fragments, step_ms=step_ms, matrices=matrices)  # fmt: skip
     _refuse_unused(model=model, depth=depth, matrices=matrices, step_ms=step_ms, topology=topology)
+    _refuse_what_runs_refuse(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps,
+                             overlap_exchange=overlap_exchange, overlap_steps=overlap_steps, fragments=fragments)  # fmt: skip
     shapes, step_ms = _shapes_and_step(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
@@ -290,6 +292,37 @@ def _refuse_unused(*, model: str, depth: int, matrices: str | None, step_ms: flo
         raise click.UsageError(
             psgrads.ignores["servers"] if psgrads else f"--servers means nothing to --topology {topology}"
         )
+
+
+def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, local_steps: int, **exchange) -> None:
+    """A plan of a run that cannot be started is a usage error: for psgrad's topologies, the
+    checks and refusals ``psgrad train`` makes of the same settings (``--local-steps 1`` is
+    train's per-step exchange unless an exchange option is given); for DDP's, the one codec
+    each runs (none, or PowerSGD's hook), no down-link and no local steps."""
+    from ..config import RunConfig
+    from ..config.refusals import refuse_unused
+
+    exchanging = exchange["overlap_exchange"] or exchange["overlap_steps"] or exchange["fragments"] > 1
+    if topology in ("ddp", "ddp-powersgd"):
+        hook = topology == "ddp-powersgd"
+        if codec.split(":")[0] != ("powersgd" if hook else "none"):
+            raise click.UsageError(
+                f"--topology {topology} all-reduces "
+                + ("PowerSGD's factors (torch's hook): give --codec powersgd:rank=R" if hook else
+                   "the dense gradient: --codec none (--topology ddp-powersgd for torch's PowerSGD hook)")
+            )  # fmt: skip
+        if down_codec != "none" or local_steps > 1 or exchanging:
+            raise click.UsageError(
+                f"--topology {topology} is torch DDP's step: no --down-codec, --local-steps or exchange options"
+            )
+        return
+    per_step = local_steps == 1 and not exchanging
+    settings = {"topology": topology, "codec": codec, "down_codec": down_codec,
+                "local_steps": 0 if per_step else local_steps, **exchange}  # fmt: skip
+    try:
+        refuse_unused(list(settings), RunConfig(**settings).validate())
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
 
 
 def _shapes_and_step(
