@@ -294,6 +294,10 @@ def _refuse_unused(*, model: str, depth: int, matrices: str | None, step_ms: flo
         )
 
 
+_DDP_CODEC = {"ddp": "none", "ddp-powersgd": "powersgd"}
+"""The codec each of torch DDP's steps that plan compares with runs: plain, or its PowerSGD hook."""
+
+
 def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, local_steps: int, **exchange) -> None:
     """A plan of a run that cannot be started is a usage error: for psgrad's topologies, the
     checks and refusals ``psgrad train`` makes of the same settings (``--local-steps 1`` is
@@ -303,13 +307,12 @@ def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, loca
     from ..config.refusals import refuse_unused
 
     exchanging = exchange["overlap_exchange"] or exchange["overlap_steps"] or exchange["fragments"] > 1
-    if topology in ("ddp", "ddp-powersgd"):
-        hook = topology == "ddp-powersgd"
-        if codec.split(":")[0] != ("powersgd" if hook else "none"):
+    if topology in _DDP_CODEC:
+        if codec.split(":")[0] != _DDP_CODEC[topology]:
             raise click.UsageError(
                 f"--topology {topology} all-reduces "
-                + ("PowerSGD's factors (torch's hook): give --codec powersgd:rank=R" if hook else
-                   "the dense gradient: --codec none (--topology ddp-powersgd for torch's PowerSGD hook)")
+                + ("PowerSGD's factors (torch's hook): give --codec powersgd:rank=R" if _DDP_CODEC[topology] != "none"
+                   else "the dense gradient: --codec none (--topology ddp-powersgd for torch's PowerSGD hook)")
             )  # fmt: skip
         if down_codec != "none" or local_steps > 1 or exchanging:
             raise click.UsageError(
