@@ -10,10 +10,13 @@ image), on an A100 at an assumed 40 % of its 312 TFLOPS bf16 peak; codecs code a
 Usage: python benchmarks/plan-tables.py   (prints the markdown tables)
 """
 
+import argparse
 import math
 
 from psgrad.models import build_model
 from psgrad.plan import Scenario, plan
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 A100 = 312e12 * 0.40
 WRN = [tuple(p.shape) for p in build_model("wrn", 100, depth=28, widen_factor=10).parameters()]

@@ -22,10 +22,13 @@ during psgrad's own work as well as during compute (plan.py, module docstring, 6
 Usage: python benchmarks/plan-validation.py
 """
 
+import argparse
 import dataclasses
 
 from psgrad.models import build_model
 from psgrad.plan import FAN_IN_EFFICIENCY, Scenario, own_layer_overhead_s, plan
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 SHAPES = [tuple(p.shape) for p in build_model("wrn", 100, depth=16, widen_factor=4).parameters()]
 PSGD8_H32 = dict(codec="powersgd:rank=8", topology="colocated", local_steps=32)
