@@ -127,12 +127,23 @@ def test_a_worker_that_stops_early_ends_the_job_with_an_error_not_a_hang(tmp_pat
     assert "every worker must take the same number of steps" in proc.stderr
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
+    """A worker stopped (SIGSTOP) at step 3 of your loop sends no heartbeat: within timeout=5
+    seconds the job ends, naming it and what the others wait for (they waited for ever)."""
+    proc = run_script("userloop.py", str(tmp_path), "stall", topology, "none", n=RANKS[topology], timeout=120)
+    assert proc.returncode != 0
+    stopped = 2 if topology == "ps" else 1
+    assert f"no heartbeat from rank {stopped}" in proc.stderr, proc.stderr[-3000:]
+    assert "waiting for" in proc.stderr and "timeout 5" in proc.stderr  # where the others wait, and how long
+
+
 @pytest.mark.parametrize(
     "settings, says",
     [
         ({"lr": 0.5}, "lr is a setting of psgrad's own loop"),
         ({"epochs": 3, "log_dir": "runs/x"}, "epochs, log_dir are settings of psgrad's own loop"),
-        ({"timeout": 5}, "timeout is a setting of psgrad's own loop"),
+        ({"checkpoint_every_steps": 5}, "checkpoint_every_steps is a setting of psgrad's own loop"),
         ({"serve_thread": True}, "serve_thread is a setting of psgrad's own loop"),
         ({"nesterov": True}, "nesterov is DGC's momentum correction here: it needs feedback='dgc'"),
         ({"dgc_momentum": 0.5}, "--dgc-momentum is DGC's: it means nothing without --feedback dgc"),

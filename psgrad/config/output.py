@@ -109,4 +109,5 @@ class SystemSettings:
         section=SYSTEM,
         low=0,
         help="Seconds a rank may stay silent (stopped, dead, cut off), or every rank may wait, before the job ends naming the rank; 0: max(60, 10 x the slowest step so far).",
+        your_loop=True,
     )

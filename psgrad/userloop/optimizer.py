@@ -21,12 +21,14 @@ either sees the same learning rates.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ..comm.protocol import Layer, StepStats
+from ..comm.waiting import WAITING
 from ..devices import outside_autocast
 from ..engine import downmemory
 from ..engine.serving import SyncServer
@@ -84,6 +86,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks += [m.register_forward_pre_hook(outside_autocast(self._serve, device)) for m in owners]
         w.closers.append(self._close)
         w.optimizers += 1
+        self._world, self._stepped = w, time.monotonic()
+        w.doing = self._doing
         broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model
 
     # ------------------------------------------------------------------ what torch sees
@@ -140,6 +144,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.synchronize()
         result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self._next_step()
+        now = time.monotonic()  # the watchdog's default timeout grows with the slowest step
+        self._world.slowest_step, self._stepped = max(self._world.slowest_step, now - self._stepped), now
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -215,6 +221,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "step": self.step_index,
             "idle": self.worker._idle(),
         }
+
+    def _doing(self) -> str:
+        """What this worker does, for the watchdog's reports: psgrad's wait, or your loop's code."""
+        doing = self.worker.doing  # a wait's own words, "step 9: waiting for 'fc.weight' from rank 0"
+        if WAITING.seconds():
+            return doing if "waiting" in doing else f"step {self.step_index}: synchronizing"
+        return f"step {self.step_index}: in your loop"
 
     def _count(self, name: str):
         """The hook that counts backward passes, and decides whether the worker's hook pushes."""

@@ -11,7 +11,10 @@
    worker's ``DistributedOptimizer``, decodes and sums gradients until every worker called
    ``shutdown`` (or exited), then ends its process with status 0. So one script runs unchanged
    on every rank; code after ``init`` runs on the workers only.
-4. A worker returns. At exit (or ``shutdown()``) it tells the servers it is done and leaves MPI
+4. Every rank is watched as ``psgrad train``'s are (``runtime/watchdog.py``): a rank that stops,
+   dies or is cut off, or every rank waiting on another, ends the job within ``timeout`` seconds,
+   naming the rank, where the others would wait for its gradients for ever.
+5. A worker returns. At exit (or ``shutdown()``) it tells the servers it is done and leaves MPI
    together with the other ranks.
 """
 
@@ -23,6 +26,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +41,7 @@ from ..config.refusals import your_loop_config
 from ..context import RunContext
 from ..metrics import say
 from ..roles import topology_of
+from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
 
@@ -57,6 +62,25 @@ class World:
     closers: list = field(default_factory=list)  # what shutdown ends first: the optimizers' traffic
     optimizers: int = 0
     done: bool = False
+    watchdog: Watchdog | None = None
+    doing: Callable[[], str] = lambda: "in your loop, before its DistributedOptimizer"  # for the watchdog
+    slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
+
+    def watch(self) -> None:
+        """Start the watchdog (collective: every rank, in ``init``)."""
+        self.watchdog = Watchdog(
+            self.transport, report=self._report, names=self.layout.role_name, timeout=self.cfg.timeout
+        )
+        self.watchdog.start()
+
+    def _report(self) -> Report:
+        return Report(self.doing(), self.slowest_step)
+
+    def unwatch(self) -> None:
+        """Stop the watchdog (collective: every rank, as it leaves)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
 
 _WORLD: World | None = None
@@ -75,6 +99,7 @@ def init(**settings) -> None:
     _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
+    _WORLD.watch()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
@@ -115,7 +140,7 @@ def _end_job_on_error(previous):
     def hook(kind, value, trace) -> None:
         _say(value)
         previous(kind, value, trace)
-        _abort()
+        _abort(value)
 
     return hook
 
@@ -128,7 +153,7 @@ def _shutdown_at_exit() -> None:
     except BaseException as err:
         _say(err)
         traceback.print_exc()
-        _abort()
+        _abort(err)
 
 
 def _say(err: BaseException) -> None:
@@ -137,11 +162,14 @@ def _say(err: BaseException) -> None:
     say(f"[psgrad{where}] {type(err).__name__}: {err}")
 
 
-def _abort() -> None:
+def _abort(err: BaseException) -> None:
     """End every rank of the job, once mpiexec had a moment to pass on what this rank printed
-    (an abort can drop output not yet forwarded)."""
+    (an abort can drop output not yet forwarded); the abort is claimed, so that the sentinels of
+    the ranks it takes down do not name them as having died."""
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_SECONDS)
+    if _WORLD is not None and _WORLD.watchdog is not None:
+        _WORLD.watchdog.claim(f"{type(err).__name__}: {err}")
     abort_if_running(1)
 
 
@@ -189,6 +217,7 @@ def shutdown(*, leave_mpi: bool = True) -> None:
     w.done = True
     for close in w.closers:
         close()
+    w.unwatch()  # the serving-only ranks stop theirs once every worker is done
     if leave_mpi:
         finalize_together()  # the servers' finalize_and_exit holds the same barrier
 
@@ -242,6 +271,8 @@ def _serve(w: World) -> None:
 
     layers = layer_plan(w, [])
     server = SyncServer(context(w, model=None, layers=layers, device=torch.device("cpu")))
+    w.doing = lambda: f"serving: {server.doing}"
     server.start()
     server.finish()
+    w.unwatch()
     finalize_and_exit(0)

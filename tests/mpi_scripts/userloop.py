@@ -25,7 +25,8 @@ reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_no
 Scenario ``scaler``: a loss scale (``GradScaler``): ``synchronize()``, ``unscale_``, then the
 scaler's step inside ``skip_synchronize()``, against the reference. Scenario ``autocast``: forward
 and backward inside a bf16 autocast block (psgrad's coding must stay fp32), against the same steps
-without autocast, from the same state. Scenario ``misuse``: each
+without autocast, from the same state. Scenario ``stall``: the second worker stops itself
+(SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
@@ -33,6 +34,8 @@ Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 import copy
 import gc
 import json
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -308,7 +311,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if scenario == "run":
         return psgrad_train(out, topology, codec, feedback)
-    warmup = {"dgc_warmup_epochs": 2} if scenario == "warmup" else {}
+    warmup = {"dgc_warmup_epochs": 2} if scenario == "warmup" else {"timeout": 5} if scenario == "stall" else {}
     psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **warmup)
     # only workers get here
     model = make_model()
@@ -331,6 +334,12 @@ def main() -> None:
         result = scenario_warmup(model, opt)
     elif scenario == "autocast":
         result = scenario_autocast(model, opt)
+    elif scenario == "stall":
+        for step in range(STEPS):
+            if step == 3 and psgrad.worker_index() == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            train(model, opt, [step])
+        result = {}
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
         result = {}
