@@ -151,7 +151,7 @@ from psgrad.runtime import segments, sentinel
 sentinel.start_early()
 with open(sys.argv[1], "r+b") as f:
     mapped = mmap.mmap(f.fileno(), 64)  # as MPI_Init maps MPICH's segment
-time.sleep(5 * sentinel.POLL_SECONDS)
+time.sleep(50 * sentinel.POLL_SECONDS)  # its looks, with time for the sentinel to start on a busy machine
 if sys.argv[2] == "adopted":
     sentinel.adopt_early(Path(sys.argv[3]), rank=2, role="worker", segments=segments.job_segments())  # as the watchdog does
     time.sleep(0.2)
