@@ -135,7 +135,7 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
     assert proc.returncode != 0
     stopped = 2 if topology == "ps" else 1
     assert f"no heartbeat from rank {stopped}" in proc.stderr, proc.stderr[-3000:]
-    assert "waiting for" in proc.stderr and "timeout 5" in proc.stderr  # where the others wait, and how long
+    assert "waiting for" in proc.stderr and "(timeout=5)" in proc.stderr  # what the others wait for, how long
 
 
 @pytest.mark.parametrize(

@@ -73,11 +73,13 @@ class Watchdog:
         names: Callable[[int], str],
         timeout: float = 0.0,
         claim_dir: str | None = None,
+        setting: str = "--timeout {:.0f}",
     ) -> None:
         self.world = transport
         self.report = report
         self.names = names
         self.fixed_timeout = timeout
+        self.setting = setting  # how its verdict names the timeout: the command line's flag, or init's keyword
         self.rank, self.size = transport.rank, transport.size
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="psgrad-watchdog", daemon=True)
@@ -217,7 +219,7 @@ class Watchdog:
                 f"  rank {peer} ({self.names(peer)}): {seen.doing} (heard {now - seen.at:.0f} s ago, waiting {seen.waiting:.0f} s then)"
             )
         say(
-            f"[psgrad watchdog] rank {self.rank}: {verdict} Ending the job (--timeout {timeout:.0f}).\n"
+            f"[psgrad watchdog] rank {self.rank}: {verdict} Ending the job ({self.setting.format(timeout)}).\n"
             + "\n".join(lines)
         )
         self.claim(verdict)

@@ -69,7 +69,11 @@ class World:
     def watch(self) -> None:
         """Start the watchdog (collective: every rank, in ``init``)."""
         self.watchdog = Watchdog(
-            self.transport, report=self._report, names=self.layout.role_name, timeout=self.cfg.timeout
+            self.transport,
+            report=self._report,
+            names=self.layout.role_name,
+            timeout=self.cfg.timeout,
+            setting="timeout={:.0f}",
         )
         self.watchdog.start()
 
