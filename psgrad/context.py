@@ -30,7 +30,7 @@ from .checkpointing import Checkpoints, load_resume
 from .codecs import make_codec
 from .comm.channel import Channel
 from .comm.layout import RankLayout, Topology
-from .comm.protocol import StepStats, buffers_vector, layer_tag, plan_layers
+from .comm.protocol import StepStats, buffers_vector, layer_rounds, layer_tag, plan_layers
 from .config import RunConfig
 from .devices import rank_device
 from .evaluation import Evaluations
@@ -222,6 +222,28 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
             "shard; or start more ranks",
             file=sys.stderr,
         )
+
+
+def down_link_note(cfg: RunConfig, layers: list) -> str | None:
+    """What --down-codec codes under a codec of several rounds (None for any other pair): only the
+    replies of the compressed layers that codec sends whole. A factored layer's reply is its summed
+    factors, its own down-link, so a run that sets both would otherwise believe every reply coded."""
+    up = make_codec(cfg.codec)
+    if cfg.down_codec == "none" or not up.multi_round:
+        return None
+    compressed = [layer for layer in layers if layer.compress]
+    whole = [layer.name for layer in compressed if layer_rounds(up, layer) == 1]
+    said = f"note: --down-codec {cfg.down_codec} codes "
+    if not whole:
+        return (
+            said
+            + f"no reply here: {cfg.codec} factors every compressed layer, and a factored layer's reply is its summed factors"
+        )
+    return said + (
+        f"the replies of {len(whole)} of {len(compressed)} compressed layers, those {cfg.codec} sends whole "
+        f"({', '.join(whole[:4])}{f' and {len(whole) - 4} more' if len(whole) > 4 else ''}); the others' replies are "
+        "their summed factors"
+    )
 
 
 def ranks_line(roles: list[str], pids: list[int]) -> str:

@@ -969,6 +969,39 @@ def test_the_start_up_line_and_the_plot_legend_name_the_down_link(tmp_path):
     assert run_label(log).startswith("sign+ef, down qsgd:levels=16 (both)")
 
 
+@pytest.mark.parametrize("rank", [2, 8])
+def test_a_down_codec_under_powersgd_is_said_to_code_only_the_layers_sent_whole(tmp_path, rank):
+    """Under PowerSGD a factored layer's reply is its summed factors: --down-codec codes only the
+    layers PowerSGD sends whole. The mlp's two weight matrices are both factored at rank 2 (the
+    down-codec changes nothing) and one of them is sent whole at rank 8 (it changes the loss)."""
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    losses, said = {}, {}
+    for down in ("none", "qsgd:levels=4"):
+        log = tmp_path / f"{rank}-{down}"
+        options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "4", "--no-progress"]
+        options += ["--eval-every-epochs", "0", "--codec", f"powersgd:rank={rank}", "--down-codec", down]
+        done = CliRunner().invoke(main, [*options, "--log-dir", str(log)])
+        assert done.exit_code == 0, done.output[-3000:]
+        losses[down] = (log / "metrics.csv").read_text().splitlines()[-1].split(",")[2]
+        said[down] = [line for line in done.stderr.splitlines() if "--down-codec" in line]
+    assert said["none"] == [], said
+    if rank == 2:
+        assert said["qsgd:levels=4"] == [
+            "[psgrad] note: --down-codec qsgd:levels=4 codes no reply here: powersgd:rank=2 factors every "
+            "compressed layer, and a factored layer's reply is its summed factors"
+        ]
+        assert losses["qsgd:levels=4"] == losses["none"]
+    else:
+        assert said["qsgd:levels=4"] == [
+            "[psgrad] note: --down-codec qsgd:levels=4 codes the replies of 1 of 2 compressed layers, those "
+            "powersgd:rank=8 sends whole (net.3.weight); the others' replies are their summed factors"
+        ]
+        assert losses["qsgd:levels=4"] != losses["none"]
+
+
 def test_digits_are_real_images_split_once_for_every_seed():
     train, test = load_dataset("digits", "train", seed=0), load_dataset("digits", "test", seed=5)
     assert train.images.shape == (1437, 3, 32, 32) and test.images.shape == (360, 3, 32, 32)
