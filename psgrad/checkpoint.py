@@ -139,9 +139,11 @@ def prune(log_dir: str | Path, *, keep: int) -> list[Path]:
 def load_model(log_dir: str | Path) -> torch.nn.Module:
     """The model the run in ``log_dir`` trained, in eval mode: the one its last evaluation scored.
 
-    1. Read the run's ``config.json`` (its ``--model``, depth, width and classes).
+    1. Read the run's ``config.json`` (its ``--model``, depth, width and classes). ``log_dir``
+       may also be the run's ``model.pt``, the path the run printed at its end.
     2. Build that model (``psgrad.models.build_model``).
-    3. Load ``model.pt`` into it (``weights_only``).
+    3. Load ``model.pt`` into it (``weights_only``): a file torch cannot read is one
+       CheckpointError, never torch's advice to load it without ``weights_only``.
 
     A model of your own (``train.run(model_fn=...)``) is not in config.json, which records only its
     class: that, or a model.pt that does not fit, is one CheckpointError saying to build it
@@ -152,9 +154,17 @@ def load_model(log_dir: str | Path) -> torch.nn.Module:
     from .models import build_model
 
     directory = Path(log_dir)
+    if directory.is_file():
+        if directory.name != "model.pt":
+            raise CheckpointError(
+                f"{log_dir} is a file: give the run's log dir (the folder of config.json and model.pt)"
+            )
+        directory = directory.parent
     for name in ("config.json", "model.pt"):
         if not (directory / name).is_file():
-            raise CheckpointError(f"{directory / name}: missing (a run with --log-dir {log_dir} writes it at its end)")
+            raise CheckpointError(
+                f"{directory / name}: missing (a run with --log-dir {directory} writes it at its end)"
+            )
     saved = json.loads((directory / "config.json").read_text())
     cfg = RunConfig.from_dict(saved)
     model = build_model(cfg.model, cfg.num_classes, **cfg.model_options)
@@ -163,8 +173,14 @@ def load_model(log_dir: str | Path) -> torch.nn.Module:
     if trained != type(model).__name__:  # train.run(model_fn=...): config.json's --model is not it
         raise CheckpointError(f"{directory} trained a model of your own ({trained}), not psgrad's {cfg.model}: {yours}")
     try:
-        model.load_state_dict(torch.load(directory / "model.pt", weights_only=True))
-    except RuntimeError as err:  # keys or shapes that do not fit: one line, not a wall of names
+        weights = torch.load(directory / "model.pt", weights_only=True)
+    except Exception as err:  # noqa: BLE001  torch raises many types; its text suggests unsafe loading
+        raise CheckpointError(
+            f"{directory / 'model.pt'}: not a readable model ({type(err).__name__}): the file is damaged or cut short"
+        ) from None
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError) as err:  # keys or shapes that do not fit: one line, not a wall of names
         raise CheckpointError(
             f"{directory / 'model.pt'} does not fit the {cfg.model} model config.json names "
             f"({str(err).splitlines()[0]}); a model of your own: {yours}"

@@ -291,6 +291,31 @@ def test_load_model_names_what_is_missing(tmp_path):
         load_model(tmp_path)
 
 
+def test_load_model_takes_the_path_the_run_printed_and_refuses_a_damaged_file_in_one_line(tmp_path):
+    """load_model takes the run's log dir or its model.pt (the path a run prints at its end); a
+    model.pt torch cannot read is one CheckpointError, not torch's advice to load it unsafely."""
+    from psgrad import load_model
+    from psgrad.config import RunConfig
+    from psgrad.models import build_model
+
+    RunConfig(model="mlp").save(tmp_path, {"model": "MLP"})
+    model = build_model("mlp", 10)
+    checkpoint.save_model(tmp_path, model)
+    for given in (tmp_path, tmp_path / "model.pt"):
+        loaded = load_model(given).state_dict()
+        assert all(torch.equal(loaded[name], value) for name, value in model.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"config.json is a file: give the run's log dir"):
+        load_model(tmp_path / "config.json")
+    whole = (tmp_path / "model.pt").read_bytes()
+    for damaged in (b"not a torch file", whole[: len(whole) // 2]):
+        (tmp_path / "model.pt").write_bytes(damaged)
+        with pytest.raises(
+            CheckpointError, match=r"model.pt: not a readable model \(\w+\): the file is damaged"
+        ) as err:
+            load_model(tmp_path)
+        assert "weights_only" not in str(err.value), err.value
+
+
 def test_load_model_of_a_run_with_a_model_of_your_own_says_so_in_one_line(tmp_path):
     """train.run(model_fn=...) with a log dir: config.json records the model's class beside
     psgrad's --model default, and load_model says the model is the caller's to build, where it
