@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from .choices import option_flag
 
@@ -32,7 +32,13 @@ PER_RANK = frozenset({"device", "threads", "progress"})
 
 
 class AgreementError(ValueError):
-    """The ranks do not agree; the message was printed once, by one rank."""
+    """The ranks do not agree; the message was printed once, by one rank. ``status`` is the exit
+    status every rank ends with (runtime/exits.py): 2 for a usage error, unless the agreed error
+    is of another kind (4 for a checkpoint that cannot be resumed from)."""
+
+    def __init__(self, message: str, *, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _first(transport: Channel, mine: bool) -> int | None:
@@ -66,6 +72,15 @@ def agree_on_errors(transport: Channel, error: str | None, kind: str = "usage er
         if first == transport.rank:
             print(f"[psgrad rank {first}] {kind}: {error}", file=sys.stderr, flush=True)
         raise AgreementError(f"rank {first} has a {kind}")
+
+
+def fail_together(error: str, *, says: bool, kind: str, status: int) -> NoReturn:
+    """End every rank with ``error``, which each found alike from one collective's result (no
+    collective more is needed to agree on it): the rank that ``says`` prints it, once for the job,
+    and every rank raises ``AgreementError`` with ``status``."""
+    if says:
+        print(f"[psgrad] {kind}: {error}", file=sys.stderr, flush=True)
+    raise AgreementError(error, status=status)
 
 
 def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error") -> None:

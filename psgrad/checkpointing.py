@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import checkpoint
+from .agreement import fail_together
+from .runtime.exits import CHECKPOINT
 
 if TYPE_CHECKING:  # the interface only
     from pathlib import Path
@@ -64,11 +66,14 @@ def load_resume(
     state = checkpoint.load_rank_state(directory, transport.rank, transport.size)
     start = int(state["step"])
     steps = transport.allreduce_sum([start, 1])
+    problem = None
     if steps[0] != start * steps[1]:
-        raise checkpoint.CheckpointError(f"--resume {directory}: the ranks' checkpoint files are from different steps")
-    if start >= total:
-        raise checkpoint.CheckpointError(
+        problem = f"--resume {directory}: the ranks' checkpoint files are from different steps"
+    elif start >= total:
+        problem = (
             f"--resume {resume} is at step {start}, nothing left of {total} steps: to train on, give "
             f"--steps (or --epochs) beyond it, e.g. --steps {start + total}"
         )
+    if problem is not None:  # every rank read the same sum: said once for the job, not once per rank
+        fail_together(problem, says=transport.rank == 0, kind="checkpoint error", status=CHECKPOINT)
     return state, start, checkpoint.changed_settings(resume, settings)

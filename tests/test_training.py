@@ -840,6 +840,22 @@ def test_resume_takes_the_settings_of_the_run_it_continues(tmp_path, monkeypatch
     assert out.exit_code == 0 and (seen[-1].model, seen[-1].codec, seen[-1].log_dir) == ("wrn", "none", None)
 
 
+def test_a_resume_with_nothing_left_is_said_once_for_the_job(tmp_path):
+    """A checkpoint at the run's last step leaves nothing to train, and every rank finds that from
+    one sum: the job says it once (not once per rank) and ends with the checkpoint status, 4."""
+    from psgrad import checkpoint
+
+    done = tmp_path / "ckpt-step4"
+    for rank in range(3):
+        checkpoint.save_rank_state(done, rank, {"step": 4})
+    checkpoint.mark_complete(done, 4, 3)
+    options = ["--model", "mlp", "--steps", "4", "--no-progress", "--resume", str(done)]
+    proc = run_mpi([sys.executable, "-m", "psgrad", "train", *options], timeout=120)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert proc.stderr.count("nothing left of 4 steps") == 1, proc.stderr[-3000:]
+    assert "e.g. --steps 8" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def _losses(log) -> list[float]:
     return [float(row["loss"]) for row in metrics_rows(log)]
 

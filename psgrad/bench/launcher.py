@@ -344,8 +344,8 @@ def _child(job_path: str) -> None:
             powersgd_rank=job["powersgd_rank"],
             target=job["target"],
         )
-    except AgreementError:  # one rank said why (an unreadable dataset, say): the job's last line
-        finalize_and_exit(2)
+    except AgreementError as err:  # one rank said why (an unreadable dataset, say): the job's last line
+        finalize_and_exit(err.status)
     if m is not None:
         Path(job["out"]).write_text(json.dumps(m))
 

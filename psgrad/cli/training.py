@@ -161,7 +161,7 @@ def simulate(workers: int, cores: int | None, stack: bool, **options) -> None:
     keep_freed_memory()  # the command's choice for its process; simulate() as a library leaves malloc alone
     try:
         run_simulation(cfg, workers, cores=cores, stack=stack)
-    except AgreementError:  # a usage error, printed once: exit 2 as under mpiexec
+    except AgreementError:  # said once; its status (2 for a usage error) as under mpiexec (runtime/job.py)
         raise
     except Exception as err:  # the failing rank printed its error and traceback (train.run)
         from ..runtime.failure import exit_status

@@ -63,8 +63,8 @@ def run_command(
             agree(Transport(), None, err.format_message())
         except AgreementError:
             ctx.exit(2)
-    except AgreementError:
-        ctx.exit(2)
+    except AgreementError as err:  # said once by one rank; a usage error's status, or its own kind's
+        ctx.exit(err.status)
     except (click.exceptions.Exit, click.Abort):
         raise
     except Exception as err:
