@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import socket
 import sys
 import time
@@ -220,6 +221,13 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
             f"[psgrad] note: {ctx.transport.size} ranks under --topology {cfg.topology} are {servers} server(s) and "
             "1 worker: no data parallelism. --topology colocated makes every rank a worker that also serves its "
             "shard; or start more ranks",
+            file=sys.stderr,
+        )
+    cores = len(os.sched_getaffinity(0))
+    if cfg.threads > cores:  # torch would run them all, each more slowly, and nothing else says so
+        print(
+            f"[psgrad] note: --threads {cfg.threads} is more than the {cores} cores rank 0 may use: its threads "
+            "share them, each more slowly (and every rank of a node shares that node's cores)",
             file=sys.stderr,
         )
 

@@ -970,6 +970,26 @@ def test_two_ranks_under_the_ps_topology_say_they_train_on_one_worker():
     assert "no data parallelism" not in colocated.stderr
 
 
+def test_more_threads_than_cores_is_said_at_start_up(monkeypatch):
+    """--threads above the cores rank 0 may use runs (torch shares them out), with a note saying
+    so; at the core count, no note."""
+    import os
+
+    from click.testing import CliRunner
+
+    from psgrad.cli import main
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress"]
+    said = {}
+    for threads in (2, 3):
+        done = CliRunner().invoke(main, [*options, "--eval-every-epochs", "0", "--threads", str(threads)])
+        assert done.exit_code == 0, done.output[-3000:]
+        said[threads] = [line for line in done.stderr.splitlines() if "--threads" in line]
+    assert said[2] == [] and len(said[3]) == 1, said
+    assert said[3][0].startswith("[psgrad] note: --threads 3 is more than the 2 cores rank 0 may use"), said
+
+
 def test_the_start_up_line_and_the_plot_legend_name_the_down_link(tmp_path):
     from click.testing import CliRunner
 
