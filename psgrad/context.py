@@ -212,9 +212,9 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
             + "; ".join(ctx.resume_changed),
             file=sys.stderr,
         )
-    note = accuracy_note(cfg)
-    if note is not None:
-        print(f"[psgrad] {note}", file=sys.stderr)
+    for note in (accuracy_note(cfg), down_link_note(cfg, ctx.layers)):
+        if note is not None:
+            print(f"[psgrad] {note}", file=sys.stderr)
     if layout.num_workers == 1 and servers and ctx.transport.separate_processes and ctx.transport.size > 1:
         # mpiexec -n 2 under --topology ps: nothing runs in parallel, and nothing else says so
         print(
