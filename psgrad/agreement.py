@@ -58,29 +58,28 @@ def config_difference(mine: dict, theirs: dict) -> list[str]:
     ]
 
 
-def agree_on_errors(transport: Channel, error: str | None, kind: str = "usage error") -> None:
-    """Return when no rank has an error (step 1 of the module doc; collective): a rank passes its
-    message or None; when any rank has one, the lowest such rank prints it and every rank raises
-    ``AgreementError``. ``kind`` names the error where it is printed."""
-    if transport.size == 1:
-        if error is not None:
-            print(f"[psgrad] {kind}: {error}", file=sys.stderr, flush=True)
-            raise AgreementError(error)
-        return
-    first = _first(transport, error is not None)
-    if first is not None:
-        if first == transport.rank:
-            print(f"[psgrad rank {first}] {kind}: {error}", file=sys.stderr, flush=True)
-        raise AgreementError(f"rank {first} has a {kind}")
-
-
-def fail_together(error: str, *, says: bool, kind: str, status: int) -> NoReturn:
+def fail_together(error: str, *, says: bool, kind: str, status: int = 2) -> NoReturn:
     """End every rank with ``error``, which each found alike from one collective's result (no
     collective more is needed to agree on it): the rank that ``says`` prints it, once for the job,
     and every rank raises ``AgreementError`` with ``status``."""
     if says:
         print(f"[psgrad] {kind}: {error}", file=sys.stderr, flush=True)
     raise AgreementError(error, status=status)
+
+
+def agree_on_errors(transport: Channel, error: str | None, kind: str = "usage error") -> None:
+    """Return when no rank has an error (step 1 of the module doc; collective): a rank passes its
+    message or None; when any rank has one, the lowest such rank prints it and every rank raises
+    ``AgreementError``. ``kind`` names the error where it is printed."""
+    if transport.size == 1:
+        if error is not None:
+            fail_together(error, says=True, kind=kind)
+        return
+    first = _first(transport, error is not None)
+    if first is not None:
+        if first == transport.rank:
+            print(f"[psgrad rank {first}] {kind}: {error}", file=sys.stderr, flush=True)
+        raise AgreementError(f"rank {first} has a {kind}")
 
 
 def agree(transport: Channel, cfg: RunConfig | None, usage_error: str | None = None, kind: str = "usage error") -> None:
