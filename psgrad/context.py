@@ -241,16 +241,13 @@ def down_link_note(cfg: RunConfig, layers: list) -> str | None:
         return None
     compressed = [layer for layer in layers if layer.compress]
     whole = [layer.name for layer in compressed if layer_rounds(up, layer) == 1]
-    said = f"note: --down-codec {cfg.down_codec} codes "
+    said = f"note: --down-codec {cfg.down_codec} codes"
     if not whole:
-        return (
-            said
-            + f"no reply here: {cfg.codec} factors every compressed layer, and a factored layer's reply is its summed factors"
-        )
-    return said + (
-        f"the replies of {len(whole)} of {len(compressed)} compressed layers, those {cfg.codec} sends whole "
-        f"({', '.join(whole[:4])}{f' and {len(whole) - 4} more' if len(whole) > 4 else ''}); the others' replies are "
-        "their summed factors"
+        return f"{said} no reply here: {cfg.codec} factors every compressed layer, and a factored layer's reply is its summed factors"
+    named = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+    return (
+        f"{said} the replies of {len(whole)} of {len(compressed)} compressed layers, those {cfg.codec} sends whole "
+        f"({named}); the others' replies are their summed factors"
     )
 
 
