@@ -292,8 +292,9 @@ def measured(cfg: RunConfig) -> Measured | None:
     )
 
 
-def accuracy_note(cfg: RunConfig) -> str | None:
-    """One sentence when ``cfg``'s combination trailed dense on either dataset, else None."""
+def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
+    """One sentence when ``cfg``'s combination trailed dense on either dataset, else None;
+    ``dense`` is how the caller's users ask for dense training (``codec='none'`` in a script)."""
     found = measured(cfg)
     if found is None and cfg.local_steps:
         return (
@@ -311,8 +312,8 @@ def accuracy_note(cfg: RunConfig) -> str | None:
         f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}"
     )
     if found.failed:
-        return f"{reached}, but {found.failed}: compare it with --codec none before relying on it"
-    return f"{reached}: expect it to need more epochs than --codec none, and compare the two"
+        return f"{reached}, but {found.failed}: compare it with {dense} before relying on it"
+    return f"{reached}: expect it to need more epochs than {dense}, and compare the two"
 
 
 def _fraction(value: float) -> str:

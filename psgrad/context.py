@@ -232,16 +232,17 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
         )
 
 
-def down_link_note(cfg: RunConfig, layers: list) -> str | None:
+def down_link_note(cfg: RunConfig, layers: list, *, down: str = "") -> str | None:
     """What --down-codec codes under a codec of several rounds (None for any other pair): only the
     replies of the compressed layers that codec sends whole. A factored layer's reply is its summed
-    factors, its own down-link, so a run that sets both would otherwise believe every reply coded."""
+    factors, its own down-link, so a run that sets both would otherwise believe every reply coded.
+    ``down`` names the setting as the caller's users write it (``--down-codec X`` by default)."""
     up = make_codec(cfg.codec)
     if cfg.down_codec == "none" or not up.multi_round:
         return None
     compressed = [layer for layer in layers if layer.compress]
     whole = [layer.name for layer in compressed if layer_rounds(up, layer) == 1]
-    said = f"note: --down-codec {cfg.down_codec} codes"
+    said = f"note: {down or f'--down-codec {cfg.down_codec}'} codes"
     if not whole:
         return f"{said} no reply here: {cfg.codec} factors every compressed layer, and a factored layer's reply is its summed factors"
     named = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")

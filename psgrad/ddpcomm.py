@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .accuracy import accuracy_note
 from .codecs import Message
 from .comm import wire
 from .comm.envelope import Envelope, parse
@@ -41,6 +42,7 @@ from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, 
 from .config import RunConfig
 from .config.refusals import your_loop_config
 from .feedback import feedback_for
+from .metrics import say
 
 SETTINGS = ("seed", "bucket_vectors", "on_nonfinite", "dgc_momentum", "nesterov", "dgc_clip_norm", "dgc_warmup_epochs")
 """The ``RunConfig`` settings the hook takes besides the codec and feedback (docs/cli.md)."""
@@ -101,6 +103,9 @@ class DDPHook:
         """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future."""
         if self.layers is None:
             self.layers = self._plan(self._named_model(state))
+            note = accuracy_note(self.cfg, dense="DDP without the hook")
+            if note is not None and dist.get_rank(self.group) == 0:  # the first call: where the rank is known
+                say(f"[psgrad] {note}")
         buffer, params = bucket.buffer(), bucket.parameters()
         layers = self._layers_of(params)
         parts = buffer.split([p.numel() for p in params])

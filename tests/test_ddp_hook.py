@@ -29,6 +29,7 @@ def _gloo(tmp_path: Path, scenario: str, *codec: str) -> list[dict]:
     """Every rank of the gloo script, as separate processes; a rank still running after two
     minutes fails the test (and every rank is killed)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the ranks meet through a file store in it
     ranks = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(tmp_path), str(rank), str(WORLD), scenario, *codec],
@@ -46,7 +47,8 @@ def _gloo(tmp_path: Path, scenario: str, *codec: str) -> list[dict]:
             proc.kill()
     for proc, log in zip(ranks, logs, strict=True):
         assert proc.returncode == 0, log[-3000:]
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return [{**result, "log": log} for result, log in zip(results, logs, strict=True)]
 
 
 def test_codec_none_equals_ddp_without_a_hook_and_needs_no_mpi(tmp_path):
@@ -68,6 +70,16 @@ def test_a_checkpoint_round_trip_resumes_compression_exactly(tmp_path, codec):
     for result in _gloo(tmp_path, "resume", *codec):
         assert result["resumed"] == 0.0, result
         assert result["memories"] >= 3 and result["steps_saved"] == 4, result  # a memory per coded layer
+
+
+def test_a_codec_that_trailed_dense_is_said_by_the_first_rank(tmp_path):
+    """As psgrad train says at start-up: PowerSGD at rank 2 reached 0.98x dense (said once, by
+    rank 0, in the words of a DDP script); dense coding says nothing."""
+    logs = [result["log"] for result in _gloo(tmp_path / "powersgd", "dense", "powersgd:rank=2")]
+    said = "[psgrad] note: this combination of codec, feedback and down-link reached 0.98x dense"
+    assert said in logs[0] and "more epochs than DDP without the hook" in logs[0], logs[0][-3000:]
+    assert said not in logs[1]
+    assert not any("[psgrad] note" in result["log"] for result in _gloo(tmp_path / "none", "dense", "none"))
 
 
 def test_a_nonfinite_gradient_stops_every_rank(tmp_path):

@@ -139,6 +139,26 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
 
 
 @pytest.mark.parametrize(
+    "codec, says",
+    [
+        # trailed dense in psgrad's measurements: said once for the job, as psgrad train says it
+        (["topk:ratio=0.01", "ef"], "reached 0.93x dense test accuracy at equal epochs on the accuracy proxy"),
+        # the down-codec codes only the layers PowerSGD sends whole: the first worker knows them
+        (
+            ["powersgd:rank=2", "none", "qsgd:levels=4"],
+            "down_codec='qsgd:levels=4' codes no reply here: powersgd:rank=2 factors every",
+        ),
+    ],
+)
+def test_your_loop_is_told_at_start_up_what_psgrad_train_would_say(tmp_path, codec, says):
+    proc = run_script("userloop.py", str(tmp_path), "clip", "ps", *codec, n=3, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad] note:")]
+    assert len(notes) == 1 and says in notes[0], proc.stderr[-3000:]
+    assert "codec='none'" in notes[0] or "down_codec=" in notes[0]  # the script's words, not the CLI's
+
+
+@pytest.mark.parametrize(
     "settings, says",
     [
         ({"lr": 0.5}, "lr is a setting of psgrad's own loop"),

@@ -29,10 +29,12 @@ from torch import nn
 
 from ..comm.protocol import Layer, StepStats
 from ..comm.waiting import WAITING
+from ..context import down_link_note
 from ..devices import outside_autocast
 from ..engine import downmemory
 from ..engine.serving import SyncServer
 from ..engine.worker import Worker
+from ..metrics import say
 from .broadcast import broadcast_parameters
 from .world import World, context, layer_plan, world
 
@@ -73,6 +75,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the serving-only ranks whose down-link memory this rank checkpoints: the first worker's
         # job, under ps with a lossy down_codec (engine.downmemory)
         first = w.transport.rank == w.layout.worker_ranks[0]
+        note = down_link_note(w.cfg, layers, down=f"down_codec={w.cfg.down_codec!r}") if first else None
+        if note is not None:  # the layers are known from here: the first worker says it for the job
+            say(f"[psgrad] {note}")
         keeps = first and ctx.make_down_feedback() is not None
         self.memory_servers = [r for r in w.layout.server_ranks if not w.layout.is_worker(r)] if keeps else []
         self.worker = Worker(ctx, ctx.make_feedback(), local=self.server, on_mean=self._take_mean)

@@ -6,7 +6,8 @@
    the settings table), held to the command line's rules and messages (``startup.prepare``: the
    ranks agree, or every rank raises).
 2. This rank's place: its layout under the topology (``ps`` or ``colocated``; the servers sum,
-   so ``mode`` is ``sync``).
+   so ``mode`` is ``sync``). Rank 0 says when the codec, feedback and down-link trailed dense
+   training in psgrad's measurements (``accuracy_note``), as ``psgrad train`` does at start-up.
 3. A serving-only rank (``--topology ps``) serves here: it learns the layer plan from the first
    worker's ``DistributedOptimizer``, decodes and sums gradients until every worker called
    ``shutdown`` (or exited), then ends its process with status 0. So one script runs unchanged
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..accuracy import accuracy_note
 from ..choices import RENAMED
 from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
@@ -102,6 +104,9 @@ def init(**settings) -> None:
     transport = Transport()
     _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
+    note = accuracy_note(cfg, dense="codec='none'")
+    if note is not None and transport.rank == 0:  # the settings agree: one rank says it for the job
+        say(f"[psgrad] {note}")
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init

@@ -13,8 +13,6 @@ Scenario ``train``:
    where they ended the first time, bit for bit.
 4. torch DDP on gloo over the workers, same seed, data and SGD: with codec ``none`` psgrad must
    equal it to float tolerance.
-Scenario ``run``: the same training in psgrad's own loop (``psgrad.train.run``), each rank saving
-its parameters; scenario ``against_run`` trains your loop and compares with them, bit for bit.
 Scenario ``run``: the same training in psgrad's own loop (``psgrad.train.run``, its servers
 applying the same SGD), each rank saving its parameters; scenario ``against_run`` trains your loop
 and must end where that run ended, bit for bit. Scenario ``hook``: the same training through torch DDP with ``psgrad.ddp_hook`` of the same
