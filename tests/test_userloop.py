@@ -138,6 +138,21 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
     assert "waiting for" in proc.stderr and "(timeout=5)" in proc.stderr  # what the others wait for, how long
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_script_that_ends_without_training_ends_the_job(tmp_path, topology):
+    """Workers that exit after init without a DistributedOptimizer (a script's own --help) end
+    the job with status 0: the serving ranks waited for ever for the layer plan. When only the
+    first worker builds one, the job ends with an error naming both ranks."""
+    proc = run_script("userloop.py", str(tmp_path), "no_optimizer", topology, "none", n=RANKS[topology], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("userloop.py", str(tmp_path), "one_optimizer", topology, "none", n=RANKS[topology], timeout=60)
+    first, second = (1, 2) if topology == "ps" else (0, 1)
+    assert proc.returncode != 0
+    assert f"rank {first} built a DistributedOptimizer and rank {second} ended without one" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+
+
 @pytest.mark.parametrize(
     "codec, says",
     [

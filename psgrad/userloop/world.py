@@ -224,6 +224,8 @@ def shutdown(*, leave_mpi: bool = True) -> None:
     if w is None or w.done:
         return
     w.done = True
+    if not w.optimizers and w.layout.is_worker(w.transport.rank):
+        layer_plan(w, None)  # the servers wait for a layer plan: there is none (raises if another worker built one)
     for close in w.closers:
         close()
     w.unwatch()  # the serving-only ranks stop theirs once every worker is done
@@ -231,15 +233,26 @@ def shutdown(*, leave_mpi: bool = True) -> None:
         finalize_together()  # the servers' finalize_and_exit holds the same barrier
 
 
-def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]]) -> list:
+def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]] | None) -> list | None:
     """The layers every rank agrees on, from the first worker's model (collective: the servers
-    take it from the broadcast; a worker whose model differs raises)."""
-    root = w.layout.worker_ranks[0]
-    sent = json.dumps(named_shapes).encode() if w.transport.rank == root else None
-    theirs = [(name, tuple(shape)) for name, shape in json.loads(w.transport.broadcast_bytes(sent, root=root))]
-    if w.layout.is_worker(w.transport.rank) and theirs != named_shapes:
+    take it from the broadcast; a worker whose model differs raises). ``named_shapes`` None: this
+    worker ends without a ``DistributedOptimizer`` (``shutdown``); the plan is None when the first
+    worker built none, and a worker that built one while the first did not (or the reverse) raises."""
+    root, rank = w.layout.worker_ranks[0], w.transport.rank
+    sent = json.dumps(named_shapes).encode() if rank == root else None
+    theirs = json.loads(w.transport.broadcast_bytes(sent, root=root))
+    if w.layout.is_worker(rank) and (theirs is None) != (named_shapes is None):
+        built, not_built = (rank, root) if theirs is None else (root, rank)
         raise RuntimeError(
-            f"rank {w.transport.rank}'s model differs from rank {root}'s (parameter names or shapes): "
+            f"rank {built} built a DistributedOptimizer and rank {not_built} ended without one: build one on "
+            "every worker (or on none), after psgrad.init"
+        )
+    if theirs is None:
+        return None
+    theirs = [(name, tuple(shape)) for name, shape in theirs]
+    if w.layout.is_worker(rank) and theirs != named_shapes:
+        raise RuntimeError(
+            f"rank {rank}'s model differs from rank {root}'s (parameter names or shapes): "
             "build the same model on every rank"
         )
     layers = plan_layers(
@@ -278,7 +291,11 @@ def _serve(w: World) -> None:
     """A serving-only rank: the layer plan, then sum until every worker stopped; then leave."""
     from ..engine.serving import SyncServer
 
+    w.doing = lambda: "waiting for the first worker's DistributedOptimizer (its layer plan)"
     layers = layer_plan(w, [])
+    if layers is None:  # the workers ended without training (a script that exits before its loop)
+        w.unwatch()
+        finalize_and_exit(0)
     server = SyncServer(context(w, model=None, layers=layers, device=torch.device("cpu")))
     w.doing = lambda: f"serving: {server.doing}"
     server.start()

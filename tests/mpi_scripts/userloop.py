@@ -23,7 +23,9 @@ reference on whole batches. Scenario ``clip``: ``synchronize()``, ``clip_grad_no
 Scenario ``scaler``: a loss scale (``GradScaler``): ``synchronize()``, ``unscale_``, then the
 scaler's step inside ``skip_synchronize()``, against the reference. Scenario ``autocast``: forward
 and backward inside a bf16 autocast block (psgrad's coding must stay fp32), against the same steps
-without autocast, from the same state. Scenario ``stall``: the second worker stops itself
+without autocast, from the same state. Scenario ``no_optimizer``: every worker exits after
+``init`` without a ``DistributedOptimizer`` (the job must end, status 0); ``one_optimizer``: only
+the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
 (SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
@@ -312,6 +314,8 @@ def main() -> None:
     warmup = {"dgc_warmup_epochs": 2} if scenario == "warmup" else {"timeout": 5} if scenario == "stall" else {}
     psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **warmup)
     # only workers get here
+    if scenario == "no_optimizer" or (scenario == "one_optimizer" and psgrad.worker_index() == 1):
+        sys.exit(0)  # a script that ends after init without training (its own --help, a dry run)
     model = make_model()
     passes = 2 if scenario == "accumulate" else 1
     opt = psgrad.DistributedOptimizer(sgd(model), model, backward_passes_per_step=passes)
