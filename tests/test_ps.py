@@ -379,6 +379,17 @@ def test_a_clean_end_waits_for_every_watchdog():
     assert all(float(took[rank]) > 1.0 for rank in ("1", "2")), took
 
 
+def test_a_rank_left_waiting_after_the_others_ended_is_ended():
+    """The ranks that stopped their watchdogs wait in stop() for the last: if that rank waits
+    for them too (a server for a layer plan from workers that have gone), no rank can progress,
+    and the watchdog must say so rather than let the job wait for ever."""
+    proc = run_script("watchdog_end.py", "stuck", timeout=60)
+    assert proc.returncode != 0
+    assert "every rank has been waiting for over 2 s (ranks 1, 2 ended, waiting for the rest)" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+
+
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):

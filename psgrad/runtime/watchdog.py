@@ -10,6 +10,8 @@ A helper thread on every rank, on its own duplicate communicator:
    rank 0's more precise verdict on a silent worker comes first).
 3. Rank 0 also aborts when every rank has been inside a wait for longer than the timeout: each
    waits for another, so none ever will progress (a rank computing, e.g. evaluating, is not waiting).
+   A rank that said goodbye counts as waiting: it waits in ``stop`` for every other rank's goodbye,
+   so the ranks still watched, rank 0 alone included, can only wait for one another.
 4. The timeout: ``--timeout`` seconds, or by default ``max(FLOOR, FACTOR x the slowest step seen
    on any rank)``, so a model whose steps take minutes is not cut off, and a hang on a fast model
    ends within about a minute.
@@ -85,6 +87,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="psgrad-watchdog", daemon=True)
         self.comm: Transport | None = None
         self.seen: dict[int, _Seen] = {}
+        self.departed: set[int] = set()  # peers that said goodbye (rank 0's view)
         self.claim_dir = claim_dir
         self.sentinel: Sentinel | None = None
 
@@ -188,6 +191,7 @@ class Watchdog:
                 beat = {}
             if beat.get("bye"):
                 self.seen.pop(handle.peer, None)
+                self.departed.add(handle.peer)
             else:
                 self.seen[handle.peer] = seen
                 self._recvs[i] = self.comm.repost(handle)
@@ -202,13 +206,23 @@ class Watchdog:
                     f"stopped, dead or cut off. It last reported: {seen.doing!r}.",
                     timeout,
                 )
-        if self.rank == 0 and self.seen:
+        if self.rank == 0:
             waits = {
                 0: WAITING.seconds(),
                 **{r: s.waiting + (now - s.at) if s.waiting else 0.0 for r, s in self.seen.items()},
             }
-            if len(waits) == self.size and min(waits.values()) > timeout:
-                self._abort(f"every rank has been waiting for over {timeout:.0f} s: none can progress.", timeout)
+            if len(waits) + len(self.departed) == self.size and min(waits.values()) > timeout:
+                done = sorted(self.departed)
+                self._abort(
+                    f"every rank has been waiting for over {timeout:.0f} s"
+                    + (
+                        f" (rank{'s' * (len(done) > 1)} {', '.join(map(str, done))} ended, waiting for the rest)"
+                        if done
+                        else ""
+                    )
+                    + ": none can progress.",
+                    timeout,
+                )
 
     def _abort(self, verdict: str, timeout: float) -> None:
         mine = self.report()
