@@ -218,8 +218,9 @@ def is_worker() -> bool:
 
 def shutdown(*, leave_mpi: bool = True) -> None:
     """End this worker's part (idempotent; also run at exit): every optimizer tells the servers
-    it is done, a colocated rank serves until every other rank is, then all ranks leave MPI
-    together (``leave_mpi=False``: the caller leaves MPI itself, with every other rank)."""
+    it is done (a worker that built none tells them there is no layer plan to serve), a colocated
+    rank serves until every other rank is, then all ranks leave MPI together (``leave_mpi=False``:
+    the caller leaves MPI itself, with every other rank)."""
     w = _WORLD
     if w is None or w.done:
         return
@@ -288,7 +289,8 @@ def context(w: World, *, model: torch.nn.Module | None, layers: list, device: to
 
 
 def _serve(w: World) -> None:
-    """A serving-only rank: the layer plan, then sum until every worker stopped; then leave."""
+    """A serving-only rank: the layer plan (none when the workers ended without an optimizer),
+    then sum until every worker stopped; then leave."""
     from ..engine.serving import SyncServer
 
     w.doing = lambda: "waiting for the first worker's DistributedOptimizer (its layer plan)"
