@@ -560,3 +560,6 @@ def test_psgrad_codecs_list_names_every_codec_by_a_spec_that_builds_it():
     for spec in specs:
         make_codec(spec)
     assert "GB/s" not in done.output
+    # an option beside --list would be ignored: refused, naming it (before, the list printed alone)
+    done = CliRunner().invoke(main, ["codecs", "--list", "--codecs", "topk"])
+    assert done.exit_code == 2 and "it takes no other option (got --codecs)" in done.output, done.output

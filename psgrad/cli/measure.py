@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..choices import MODEL_NAMES
-from ..options import set_off_default
+from ..options import on_command_line, set_off_default
 from .checks import output_option, refuse_wrn_shape
 from .group import main
 
@@ -39,10 +39,15 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
         raise click.BadParameter(str(err)) from None
 
 
-def _list_codecs(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    """``--list``: every codec's spec with its defaults and what it sends, then exit."""
-    if not value or ctx.resilient_parsing:
-        return
+def _list_codecs() -> None:
+    """``--list``: every codec's spec with its defaults and what it sends; a usage error when the
+    command line gave another option too (--list measures nothing, so it would be ignored)."""
+    ctx = click.get_current_context()
+    given = [p.opts[0] for p in ctx.command.params if p.name != "list_codecs" and p.name and on_command_line(p.name)]
+    if given:
+        raise click.UsageError(
+            f"--list prints every codec and measures nothing: it takes no other option (got {', '.join(given)})"
+        )
     from ..codecs.base import _REGISTRY
 
     for name, codec in sorted(_REGISTRY.items()):
@@ -50,17 +55,14 @@ def _list_codecs(ctx: click.Context, param: click.Parameter, value: bool) -> Non
         spec = name + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
         what = " ".join((codec.__doc__ or "").split("\n\n")[0].split()).replace("``", "")
         click.echo(f"{spec:<44} {what.split('. ')[0].rstrip('.')}")
-    ctx.exit(0)
 
 
 @main.command()
 @click.option(
     "--list",
+    "list_codecs",
     is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=_list_codecs,
-    help="Print every codec's spec with its default parameters and what it sends, then exit (no measurement).",
+    help="Print every codec's spec with its default parameters and what it sends, then exit (no measurement, so no other option).",
 )
 @click.option(
     "--sizes",
@@ -101,6 +103,7 @@ def _list_codecs(ctx: click.Context, param: click.Parameter, value: bool) -> Non
 )
 def codecs(
     *,
+    list_codecs: bool,
     sizes: tuple[int, ...],
     model: str | None,
     depth: int,
@@ -113,6 +116,8 @@ def codecs(
 ) -> None:
     """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
     bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
+    if list_codecs:
+        return _list_codecs()
     import torch
 
     from ..bench import codecbench
