@@ -159,3 +159,15 @@ def unless(applies: Callable[[Any], bool], why: str) -> UnusedRule:
     """A rule: the setting means nothing when ``applies(cfg)`` is false, because ``why``
     (formatted with ``cfg``, e.g. ``"... it means nothing to --model {cfg.model}"``)."""
     return lambda cfg: None if applies(cfg) else why.format(cfg=cfg)
+
+
+def named_with_guesses(unknown: Sequence[str], *, known: Collection[str]) -> str:
+    """The unknown setting names, each followed by the known one it most likely misspells, if
+    one is close: ``epoch (did you mean epochs?)``, as click does for a mistyped flag."""
+    import difflib
+
+    def one(name: str) -> str:
+        near = difflib.get_close_matches(name, list(known), n=1)
+        return f"{name} (did you mean {near[0]}?)" if near else name
+
+    return ", ".join(one(name) for name in unknown)

@@ -93,6 +93,8 @@ def test_a_setting_of_the_wrong_type_is_named_not_a_failed_comparison():
         Extended.from_json(json.dumps(fine))  # an int is a number; optional settings take null
     with pytest.raises(ValueError, match="a JSON object of settings expected, got a list"):
         RunConfig.from_json("[1, 2]")
+    with pytest.raises(ValueError, match=re.escape("unknown config keys: epoch (did you mean epochs?), zz")):
+        RunConfig.from_json('{"epoch": 3, "zz": 1}')  # a misspelt key names the setting it likely meant
 
 
 def test_a_new_setting_is_refused_where_it_means_nothing():

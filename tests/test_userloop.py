@@ -185,6 +185,7 @@ def test_your_loop_is_told_at_start_up_what_psgrad_train_would_say(tmp_path, cod
         ({"topology": "ring"}, "topology must be one of ps, colocated"),
         ({"mode": "async"}, "mode must be sync"),
         ({"learning_rate": 0.1}, "unknown setting"),
+        ({"codecs": "qsgd"}, "unknown setting(s) codecs (did you mean codec?)"),
     ],
 )
 def test_init_refuses_a_setting_your_loop_would_ignore(settings, says):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..choices import RENAMED, option_flag, wrn_depth_problem
 from ..roles import topology_of
-from ..settings import settings_of, type_problem, value_problem
+from ..settings import named_with_guesses, settings_of, type_problem, value_problem
 from .coding import CodecSettings
 from .model_data import ModelDataSettings
 from .output import OutputSettings, SystemSettings
@@ -223,7 +223,7 @@ class RunConfig(SystemSettings, OutputSettings, TrainingSettings, TopologySettin
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config keys: {unknown}")
+            raise ValueError(f"unknown config keys: {named_with_guesses(unknown, known=known)}")
         for f in fields(cls):  # JSON has lists where the settings hold tuples
             if isinstance(f.default, tuple) and isinstance(data.get(f.name), list):
                 data[f.name] = tuple(data[f.name])

@@ -5,7 +5,7 @@ Pure Python: no click, no torch."""
 from __future__ import annotations
 
 from ..roles import topology_of
-from ..settings import settings_of, unused_reason
+from ..settings import named_with_guesses, settings_of, unused_reason
 from . import RunConfig
 
 
@@ -43,7 +43,10 @@ def your_loop_config(settings: dict, *, caller: str, takes: list[str]) -> RunCon
     """
     unknown = sorted(set(settings) - set(settings_of(RunConfig)))
     if unknown:
-        raise ValueError(f"{caller}: unknown setting(s) {', '.join(unknown)}: the names are RunConfig's (docs/cli.md)")
+        raise ValueError(
+            f"{caller}: unknown setting(s) {named_with_guesses(unknown, known=takes)}: the names are RunConfig's "
+            "(docs/cli.md)"
+        )
     theirs = [name for name in settings if name not in takes]
     if theirs:
         raise ValueError(
