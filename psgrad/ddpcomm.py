@@ -103,8 +103,8 @@ class DDPHook:
         """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future."""
         if self.layers is None:
             self.layers = self._plan(self._named_model(state))
-            note = accuracy_note(self.cfg, dense="DDP without the hook")
-            if note is not None and dist.get_rank(self.group) == 0:  # the first call: where the rank is known
+            # the first call: where the hook first knows its rank
+            if dist.get_rank(self.group) == 0 and (note := accuracy_note(self.cfg, dense="DDP without the hook")):
                 say(f"[psgrad] {note}")
         buffer, params = bucket.buffer(), bucket.parameters()
         layers = self._layers_of(params)

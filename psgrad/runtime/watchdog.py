@@ -87,7 +87,6 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="psgrad-watchdog", daemon=True)
         self.comm: Transport | None = None
         self.seen: dict[int, _Seen] = {}
-        self.departed: set[int] = set()  # peers that said goodbye (rank 0's view)
         self.claim_dir = claim_dir
         self.sentinel: Sentinel | None = None
 
@@ -191,7 +190,6 @@ class Watchdog:
                 beat = {}
             if beat.get("bye"):
                 self.seen.pop(handle.peer, None)
-                self.departed.add(handle.peer)
             else:
                 self.seen[handle.peer] = seen
                 self._recvs[i] = self.comm.repost(handle)
@@ -211,16 +209,11 @@ class Watchdog:
                 0: WAITING.seconds(),
                 **{r: s.waiting + (now - s.at) if s.waiting else 0.0 for r, s in self.seen.items()},
             }
-            if len(waits) + len(self.departed) == self.size and min(waits.values()) > timeout:
-                done = sorted(self.departed)
+            if min(waits.values()) > timeout:  # the peers no longer seen said goodbye: they wait in stop()
+                done = sorted(set(range(1, self.size)) - set(self.seen))
+                ended = f" (rank{'s' * (len(done) > 1)} {', '.join(map(str, done))} ended, waiting for the rest)"
                 self._abort(
-                    f"every rank has been waiting for over {timeout:.0f} s"
-                    + (
-                        f" (rank{'s' * (len(done) > 1)} {', '.join(map(str, done))} ended, waiting for the rest)"
-                        if done
-                        else ""
-                    )
-                    + ": none can progress.",
+                    f"every rank has been waiting for over {timeout:.0f} s{ended if done else ''}: none can progress.",
                     timeout,
                 )
 

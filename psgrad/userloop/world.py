@@ -104,8 +104,8 @@ def init(**settings) -> None:
     transport = Transport()
     _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
-    note = accuracy_note(cfg, dense="codec='none'")
-    if note is not None and transport.rank == 0:  # the settings agree: one rank says it for the job
+    # the settings agree: one rank says it for the job
+    if transport.rank == 0 and (note := accuracy_note(cfg, dense="codec='none'")) is not None:
         say(f"[psgrad] {note}")
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
