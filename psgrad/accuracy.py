@@ -17,6 +17,9 @@ combination that trailed dense training.
    the note reports evidence, it does not guess. Local steps (``--local-steps``) change what a
    codec's figure means: their entries name the local steps they were measured with
    (``local_key``), and a run with local steps that nothing measured is told so.
+3. ``accuracy_lines(cfg)`` gives a table of speeds its accuracy (``psgrad plan``, which sets no
+   feedback): the combination's measurements under every feedback, or that it is dense or was
+   never measured.
 """
 
 from __future__ import annotations
@@ -277,19 +280,44 @@ def covers(entry_spec: str, spec: str) -> bool:
 def measured(cfg: RunConfig) -> Measured | None:
     """The measurement of ``cfg``'s combination of codec, feedback and down-link, if there is one
     (an entry measured on one topology holds for that topology only)."""
+    return next((m for m in measured_with_any_feedback(cfg) if m.feedback == cfg.feedback), None)
+
+
+def measured_with_any_feedback(cfg: RunConfig) -> list[Measured]:
+    """Every measurement of ``cfg``'s codec, down-link, topology and local steps, whatever
+    feedback it ran with, in ``MEASURED``'s order (for a caller that does not set feedback)."""
     down = cfg.down_codec if topology_of(cfg.topology).has_servers else "none"
-    return next(
-        (
-            m
-            for m in MEASURED
-            if m.topology in ("", cfg.topology)
-            and m.local == local_key(cfg)
-            and m.feedback == cfg.feedback
-            and covers(m.codec, cfg.codec)
-            and covers(m.down, down)
-        ),
-        None,
-    )
+    return [
+        m
+        for m in MEASURED
+        if m.topology in ("", cfg.topology)
+        and m.local == local_key(cfg)
+        and covers(m.codec, cfg.codec)
+        and covers(m.down, down)
+    ]
+
+
+def accuracy_lines(cfg: RunConfig) -> list[str]:
+    """What psgrad measured of ``cfg``'s combination, for a table of predicted speeds that does
+    not set feedback (``psgrad plan``): a line for each feedback it was measured with (its
+    fractions of dense, and whether it trails), or one line saying it is dense or unmeasured."""
+    found = {m.feedback: m for m in reversed(measured_with_any_feedback(cfg))}  # the first entry wins
+    if not found:
+        if cfg.codec == "none" and cfg.down_codec == "none" and not cfg.local_steps:
+            return ["accuracy: dense, the reference the codecs' figures are fractions of"]
+        return [
+            'accuracy: psgrad never measured this combination (docs/benchmarks.md, "Which codec learns" and '
+            '"Slow links", list what it did): compare a run of it with --codec none before relying on its speed'
+        ]
+    lines = ["accuracy, measured (test accuracy at equal epochs, x dense; not predicted):"]
+    for feedback, m in sorted(found.items()):
+        real = f", {rounded_down(m.digits)}x on digits" if m.digits is not None else ""
+        real += f", {rounded_down(m.held_out)}x held-out" if m.held_out is not None else ""
+        verdict = f", but {m.failed}" if m.failed else ": trails dense" if m.trails else ": at parity"
+        lines.append(
+            f"  --feedback {feedback}: {rounded_down(m.of_dense)}x on the proxy{real}{verdict} ({m.setting}; {m.where})"
+        )
+    return lines
 
 
 def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
@@ -304,11 +332,11 @@ def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
         )
     if found is None or not found.trails:
         return None
-    held_out = f", {_fraction(found.digits)}x on {DIGITS}" if found.digits is not None else ""
-    held_out += f" and {_fraction(found.held_out)}x on {HELD_OUT}" if found.held_out is not None else ""
+    held_out = f", {rounded_down(found.digits)}x on {DIGITS}" if found.digits is not None else ""
+    held_out += f" and {rounded_down(found.held_out)}x on {HELD_OUT}" if found.held_out is not None else ""
     what = "these local steps and codec" if found.local else "this combination of codec, feedback and down-link"
     reached = (
-        f"note: {what} reached {_fraction(found.of_dense)}x dense test "
+        f"note: {what} reached {rounded_down(found.of_dense)}x dense test "
         f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}"
     )
     if found.failed:
@@ -316,6 +344,6 @@ def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
     return f"{reached}: expect it to need more epochs than {dense}, and compare the two"
 
 
-def _fraction(value: float) -> str:
+def rounded_down(value: float) -> str:
     """Rounded down to two places: a combination under the bar never reads as the bar."""
     return f"{math.floor(value * 100 + 1e-9) / 100:.2f}"

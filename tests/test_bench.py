@@ -35,6 +35,7 @@ def test_bench_inside_one_mpi_job(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["codec"] for r in rows] == ["none", "topk:ratio=0.01"]
     assert rows[0]["speedup"] == 1.0 and rows[1]["runs"] == 2
+    assert rows[0]["of_dense"] == 1.0 and rows[1]["of_dense"] is None  # dense; top-k without feedback never measured
     assert rows[1]["bytes_up"] < rows[0]["bytes_up"] / 10  # top-1% sends far fewer bytes up (down stays dense)
     assert all(r["it_per_s"] > 0 for r in rows)
     assert 0 < rows[0]["server_cpu"] < 1.5  # CPU seconds per second of one process
@@ -538,6 +539,37 @@ def test_a_codec_table_keeps_its_columns_under_a_long_spec():
     assert {len(line) for line in lines} == {len(head)}
 
 
+@pytest.mark.parametrize(
+    "item, acc",
+    [
+        ("none", "1.00"),
+        ("ddp", "1.00"),
+        ("compute", "-"),  # learns nothing
+        ("topk:ratio=0.01 --feedback ef", "0.93!"),  # the lowest of 0.934 (proxy), 0.969 (digits), 0.93 (held-out)
+        ("powersgd:rank=8 --topology colocated --push after", "0.99"),  # 0.998 rounded down, at parity
+        ("sign --feedback ef --down-codec sign", "0.85!"),  # 0.97 on the proxy, 0.85 held-out
+        ("qsgd:levels=4", "?"),  # never measured
+        ("none --topology colocated --local-steps 5", "?"),  # local steps nothing measured are not dense
+        ("ddp-powersgd", "0.98!"),  # judged by psgrad's powersgd:rank=2
+    ],
+)
+def test_each_bench_row_shows_the_accuracy_psgrad_measured(item, acc):
+    """A speed ranks nothing alone: each row of the it/s table carries what psgrad measured of
+    its combination's accuracy, the lowest over the datasets, marked when it trails dense."""
+    from dataclasses import replace
+
+    from psgrad.bench.results import BenchRow, table
+    from psgrad.bench.rows import measured_accuracy
+    from psgrad.config import RunConfig
+
+    row = BenchRow(item, it_per_s=1, it_per_s_spread=0, speedup=1, bytes_per_step=1, bytes_up=1, bytes_down=0,
+                   compression=1, runs=1, hidden_comm_share=0)  # fmt: skip
+    row = replace(row, **measured_accuracy(item, RunConfig(), powersgd_rank=2))
+    head, _, line, *legend = table([row]).splitlines()
+    assert head.split()[-1] == "acc" and line.split()[-1] == acc, line
+    assert any(text.startswith("  acc: test accuracy at equal epochs over dense's") for text in legend)
+
+
 def test_bench_table_is_narrow_by_default_with_a_legend():
     from psgrad.bench.results import BREAKDOWN, BenchRow, table
 
@@ -574,6 +606,7 @@ def test_bench_table_is_narrow_by_default_with_a_legend():
     assert head[:4] == ["codec", "it/s", "±", "speedup"] and "forward" not in head and "hidden" not in head
     assert "  speedup: it/s over the `none` row's" in narrow and "--wide adds" in narrow
     assert "forward" in wide.splitlines()[0] and "hidden" in wide.splitlines()[0] and "--wide adds" not in wide
+    assert "\n  ideal: " in wide and "\n  ideal: " not in narrow  # the legend of the columns shown, no other
     assert max(len(line) for line in narrow.splitlines()[:4]) < 110
 
 

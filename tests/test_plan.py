@@ -171,7 +171,7 @@ def test_the_command_prints_a_row_per_workers_and_link():
         main, ["plan", "--model", "mlp", "--step-ms", "50", "--workers", "2,8", "--bandwidth", "100gbit,10mbit"]
     )
     assert done.exit_code == 0, done.output
-    lines = done.output.splitlines()[1:]
+    lines = done.output.split("\n\n")[0].splitlines()[1:]  # the table, before the accuracy below it
     rows = [line.split() for line in lines[1:]]
     assert [(r[0], r[1] + r[2]) for r in rows] == [
         ("2", "100Gbit/s"),
@@ -252,3 +252,32 @@ def test_without_a_step_time_the_model_is_timed_here():
     assert done.exit_code == 0, done.output
     measured = float(done.output.split("compute-only step measured here: ")[1].split(" ms")[0])
     assert measured > 0 and f"compute {measured:.1f} ms a step" in done.output
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        # top-k was measured with two feedbacks: both, each trailing dense
+        (["--codec", "topk:ratio=0.01"], ["--feedback dgc: 0.90x on the proxy, 0.99x held-out: trails dense",
+                                          "--feedback ef: 0.93x on the proxy, 0.96x on digits, 0.93x held-out: trails"]),
+        (["--codec", "powersgd:rank=8"], ["--feedback none: 0.99x on the proxy, 0.99x on digits, 1.00x held-out: at parity"]),
+        (["--codec", "none"], ["accuracy: dense, the reference"]),
+        (["--topology", "ddp"], ["accuracy: dense, the reference"]),
+        (["--codec", "qsgd:levels=4"], ["accuracy: psgrad never measured this combination"]),
+        (["--codec", "none", "--local-steps", "32"], ["--feedback none: 0.99x on the proxy, 1.00x on digits: at parity"]),
+        (["--codec", "none", "--local-steps", "5"], ["never measured"]),
+        (["--codec", "sign", "--down-codec", "sign", "--local-steps", "8", "--overlap-exchange", "--overlap-steps", "4"],
+         ["--feedback ef: 0.99x on the proxy, 0.99x on digits, but it did not learn WRN-16-4"]),
+        (["--topology", "ddp-powersgd", "--codec", "powersgd:rank=2"],
+         ["accuracy of psgrad's powersgd (torch's hook matched it at rank 2)", "--feedback none: 0.98x on the proxy"]),
+    ],
+)  # fmt: skip
+def test_the_predicted_speeds_come_with_the_accuracy_psgrad_measured(args, said):
+    """A speed ranks nothing alone: below its table the plan says what psgrad measured of the
+    combination's accuracy, under each feedback it was measured with, or that it never was."""
+    done = CliRunner().invoke(main, ["plan", "--model", "mlp", "--step-ms", "50", "--bandwidth", "1gbit", *args])
+    assert done.exit_code == 0, done.output
+    accuracy = done.output.split("\n\n")[1]
+    for fragment in said:
+        assert fragment in accuracy, accuracy
+    assert accuracy.count("--feedback") == sum("--feedback" in fragment for fragment in said), accuracy

@@ -48,6 +48,9 @@ class BenchRow:
     final_acc: float = NAN
     target_rounds: int = 0  # rounds that reached the target
     it_per_s_runs: list[float] = field(default_factory=list)
+    # what psgrad measured of the row's accuracy (bench/rows.py measured_accuracy), not this bench
+    of_dense: float = NAN
+    trails: bool = False
 
 
 def hidden_share(m: dict) -> float:
@@ -209,20 +212,36 @@ LEGEND = {
     "MB/step": "bytes sent per step by all ranks",
     "ratio": "dense gradient bytes over the bytes sent",
     "loss": "training loss at the last step",
-    "hidden": "share of communication hidden behind compute (wide table)",
-    "srv cpu": "server CPU seconds per second (wide table)",
-    "ideal": "the ideal rate, it/s (wide table)",
+    "acc": "test accuracy at equal epochs over dense's, the lowest over the datasets psgrad measured the row's "
+    'combination on (docs/benchmarks.md, "Which codec learns"; not measured by this bench); ! trails dense, '
+    "? never measured",
 }
+
+WIDE_LEGEND = {
+    "hidden": "share of communication hidden behind compute",
+    "srv cpu": "server CPU seconds per second",
+    "ideal": "the ideal rate, it/s",
+}
+
+
+def _accuracy(r: BenchRow) -> str:
+    """The ``acc`` column: rounded down (under the bar never reads as the bar), ``!`` when it
+    trails dense, ``?`` never measured, ``-`` for compute-only, which learns nothing."""
+    from ..accuracy import rounded_down  # loads the codecs: not for the bench's --help
+
+    if r.of_dense == r.of_dense:
+        return rounded_down(r.of_dense) + ("!" if r.trails else "")
+    return "-" if r.codec.split()[0] == "compute" else "?"
 
 
 def table(rows: list[BenchRow], wide: bool = False) -> str:
     """The it/s table: by default the columns that rank configurations (it/s, speed-up, share of
-    the ideal rate, bytes, loss); ``wide`` adds overlap, server CPU, the ideal rate and the per-step
+    the ideal rate, bytes, loss, and the accuracy psgrad measured of each row); ``wide`` adds overlap, server CPU, the ideal rate and the per-step
     time breakdown. A legend of the derived columns follows."""
     width = max([30, *(len(r.codec) for r in rows)])
     head = (
         f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'of ideal':>8s} {'MB/step':>8s} {'ratio':>7s} "
-        f"{'loss':>8s}"
+        f"{'loss':>8s} {'acc':>6s}"
     )
     if wide:
         head += f" {'hidden':>6s} {'srv cpu':>7s} {'ideal':>6s} " + " ".join(f"{k[:8]:>8s}" for k in BREAKDOWN)
@@ -230,7 +249,8 @@ def table(rows: list[BenchRow], wide: bool = False) -> str:
     for r in rows:
         line = (
             f"{r.codec:{width}s} {r.it_per_s:7.2f} {r.it_per_s_spread:5.2f} {_num(r.speedup, 7, 2)} "
-            f"{_num(r.of_ideal, 8, 2)} {r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.loss, 8, 3)}"
+            f"{_num(r.of_ideal, 8, 2)} {r.bytes_per_step / 1e6:8.3f} {_num(r.compression, 7, 1)} {_num(r.loss, 8, 3)} "
+            f"{_accuracy(r):>6s}"
         )
         if wide:
             line += (
@@ -238,8 +258,7 @@ def table(rows: list[BenchRow], wide: bool = False) -> str:
                 + " ".join(f"{r.times.get(k, 0.0) * 1e3:8.1f}" for k in BREAKDOWN)
             )
         lines.append(line)
-    shown = [k for k in LEGEND if k in head]
-    lines += [f"  {k}: {LEGEND[k]}" for k in shown]
+    lines += [f"  {k}: {text}" for k, text in (LEGEND | (WIDE_LEGEND if wide else {})).items()]
     lines.append("  '-': not applicable to the row (a baseline has no codec bytes, no `none` row to pair with, ...)")
     if wide:
         lines.append(f"  {' '.join(BREAKDOWN)}: ms per step, mean over workers")

@@ -6,6 +6,8 @@ options that hold for that row only, and ``--api optimizer`` to train it through
    with the row's options over them, refused when an option is not a row's to set (the run's
    length and logs are the bench's) or would mean nothing to that run.
 3. ``ranks_for`` is the number of ranks the row's job takes.
+4. ``measured_accuracy`` is what psgrad measured of the row's accuracy, for its speed to be read
+   beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
+from ..accuracy import measured
 from ..config import RunConfig
 from ..config.refusals import refuse_unused
 from ..options import option_overrides
@@ -72,3 +75,24 @@ def ranks_for(item: str, cfg: RunConfig, workers: int) -> int:
     if head in BASELINES:
         return workers
     return topology_of(cfg.topology).ranks_needed(workers=workers, servers=cfg.servers)
+
+
+def measured_accuracy(item: str, cfg: RunConfig, *, powersgd_rank: int) -> dict:
+    """What psgrad measured of the row's test accuracy at equal epochs (psgrad/accuracy.py), as
+    ``BenchRow``'s fields: ``of_dense``, the lowest of its fractions of dense over the datasets
+    it was measured on, and ``trails``. Dense training (DDP's too) is 1 by definition; DDP's
+    PowerSGD hook is judged by psgrad's PowerSGD of its rank (the two matched where both were
+    measured); compute-only learns nothing and a combination never measured has no figure."""
+    head, run = item_config(item, cfg)
+    if head == "compute":
+        return {}
+    if head == "ddp-powersgd":
+        run = RunConfig(codec=f"powersgd:rank={powersgd_rank}", topology="colocated")
+    dense_down = run.down_codec == "none" or not topology_of(run.topology).has_servers
+    if head == "ddp" or (run.codec == "none" and dense_down and not run.local_steps):
+        return {"of_dense": 1.0}
+    found = measured(run)
+    if found is None:
+        return {}
+    fractions = [x for x in (found.of_dense, found.digits, found.held_out) if x is not None]
+    return {"of_dense": min(fractions), "trails": found.trails}

@@ -152,7 +152,7 @@ def bench(
     target_accuracy: float | None,
     **options,
 ) -> None:
-    """Compare codecs (and DDP) by it/s, bytes and time breakdown.
+    """Compare codecs (and DDP) by it/s, bytes and time breakdown, beside the accuracy psgrad measured of each.
 
     Run it plainly (`psgrad bench --steps 20 ...`) and it launches one mpiexec job per row and
     round itself, optionally on shaped links (a failed row is skipped from then on and named at the
@@ -255,7 +255,17 @@ def _bench_inside_mpi(cfg, specs: list[str], *, warmup: int, repeat: int, header
         return
     size = Transport().size
     rows = bench_results.summarize(results, servers=cfg.servers, workers=size - cfg.servers)
+    rows = _with_accuracy(rows, cfg, powersgd_rank=0)  # no baselines inside one job
     bench_results.report(rows, header + f"{size} ranks in one job, loopback", **report)
+
+
+def _with_accuracy(rows: list, cfg, *, powersgd_rank: int) -> list:
+    """Each row beside what psgrad measured of its accuracy: a speed alone ranks nothing."""
+    from dataclasses import replace
+
+    from ..bench.rows import measured_accuracy
+
+    return [replace(row, **measured_accuracy(row.codec, cfg, powersgd_rank=powersgd_rank)) for row in rows]
 
 
 def _bench_by_launcher(
@@ -300,15 +310,15 @@ def _bench_by_launcher(
     failed = "".join(f"\n  {item}: {reason}" for item, reason in measured.failed.items())
     if not any(measured.results.values()):
         raise click.ClickException(f"every row failed, no table:{failed}")
-    topologies = {item: item_config(item, cfg)[1].topology for item in specs}
     rows = bench_results.summarize(
         measured.results,
         servers=cfg.servers,
         workers=workers,
         bandwidth_bits=parse_rate(bandwidth) if bandwidth else None,
-        topologies=topologies,
+        topologies={item: item_config(item, cfg)[1].topology for item in specs},
     )
     where = f"{bandwidth} per link (shaped)" if bandwidth else "loopback (unshaped)"
+    rows = _with_accuracy(rows, cfg, powersgd_rank=launch["powersgd_rank"])
     bench_results.report(
         rows, header + f"{workers} workers (+ {cfg.servers} server rank(s) on ps rows), {where}", **report
     )

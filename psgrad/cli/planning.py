@@ -220,6 +220,10 @@ def plan(
                 f"{n:>7}  {_rate(rate):>11}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
                 f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
             )
+    click.echo()  # what the speeds are worth: the accuracy psgrad measured (docs/benchmarks.md)
+    for line in _accuracy(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps,
+                          overlap_exchange=overlap_exchange, overlap_steps=overlap_steps, fragments=fragments):  # fmt: skip
+        click.echo(line)
 
 
 def _header(s: Scenario) -> str:
@@ -306,7 +310,7 @@ def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, loca
     from ..config import RunConfig
     from ..config.refusals import refuse_unused
 
-    exchanging = exchange["overlap_exchange"] or exchange["overlap_steps"] or exchange["fragments"] > 1
+    settings = _run_settings(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps, **exchange)
     if topology in _DDP_CODEC:
         if codec.split(":")[0] != _DDP_CODEC[topology]:
             raise click.UsageError(
@@ -314,18 +318,38 @@ def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, loca
                 + ("PowerSGD's factors (torch's hook): give --codec powersgd:rank=R" if _DDP_CODEC[topology] != "none"
                    else "the dense gradient: --codec none (--topology ddp-powersgd for torch's PowerSGD hook)")
             )  # fmt: skip
-        if down_codec != "none" or local_steps > 1 or exchanging:
+        if down_codec != "none" or settings["local_steps"]:  # local steps, or an exchange option
             raise click.UsageError(
                 f"--topology {topology} is torch DDP's step: no --down-codec, --local-steps or exchange options"
             )
         return
-    per_step = local_steps == 1 and not exchanging
-    settings = {"topology": topology, "codec": codec, "down_codec": down_codec,
-                "local_steps": 0 if per_step else local_steps, **exchange}  # fmt: skip
     try:
         refuse_unused(list(settings), RunConfig(**settings).validate())
     except ValueError as err:
         raise click.UsageError(str(err)) from None
+
+
+def _run_settings(*, topology: str, codec: str, down_codec: str, local_steps: int, **exchange) -> dict:
+    """The ``psgrad train`` settings of a plan: ``--local-steps 1`` without an exchange option is
+    train's per-step exchange (``local_steps`` 0)."""
+    exchanging = exchange["overlap_exchange"] or exchange["overlap_steps"] or exchange["fragments"] > 1
+    per_step = local_steps == 1 and not exchanging
+    return {"topology": topology, "codec": codec, "down_codec": down_codec,
+            "local_steps": 0 if per_step else local_steps, **exchange}  # fmt: skip
+
+
+def _accuracy(*, topology: str, **settings) -> list[str]:
+    """What psgrad measured of the planned run's accuracy (``accuracy_lines``): torch DDP's ring
+    all-reduce is dense, and its PowerSGD hook is judged by psgrad's PowerSGD of the same rank
+    (at rank 2, the one rank measured both ways, the two matched)."""
+    from ..accuracy import accuracy_lines
+    from ..config import RunConfig
+
+    ddp = topology in _DDP_CODEC
+    lines = accuracy_lines(RunConfig(**_run_settings(topology="colocated" if ddp else topology, **settings)))
+    if ddp and _DDP_CODEC[topology] == "powersgd":
+        lines[0] = lines[0].replace("accuracy", "accuracy of psgrad's powersgd (torch's hook matched it at rank 2)", 1)
+    return lines
 
 
 def _shapes_and_step(
