@@ -215,14 +215,8 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
     for note in (accuracy_note(cfg), down_link_note(cfg, ctx.layers)):
         if note is not None:
             print(f"[psgrad] {note}", file=sys.stderr)
-    if layout.num_workers == 1 and servers and ctx.transport.separate_processes and ctx.transport.size > 1:
-        # mpiexec -n 2 under --topology ps: nothing runs in parallel, and nothing else says so
-        print(
-            f"[psgrad] note: {ctx.transport.size} ranks under --topology {cfg.topology} are {servers} server(s) and "
-            "1 worker: no data parallelism. --topology colocated makes every rank a worker that also serves its "
-            "shard; or start more ranks",
-            file=sys.stderr,
-        )
+    if ctx.transport.separate_processes and (note := one_worker_note(cfg, layout, ranks=ctx.transport.size)):
+        print(f"[psgrad] {note}", file=sys.stderr)
     cores = len(os.sched_getaffinity(0))
     if cfg.threads > cores:  # torch would run them all, each more slowly, and nothing else says so
         print(
@@ -230,6 +224,19 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
             "share them, each more slowly (and every rank of a node shares that node's cores)",
             file=sys.stderr,
         )
+
+
+def one_worker_note(cfg: RunConfig, layout, *, ranks: int, colocated: str = "--topology colocated") -> str | None:
+    """What ``mpiexec -n 2`` under ``ps`` gives, which nothing else says: one server and one worker,
+    so nothing runs in parallel (None for any other layout). ``colocated`` is how the caller's
+    users ask for colocated serving."""
+    servers = len(layout.server_ranks)
+    if layout.num_workers != 1 or not servers or ranks < 2:
+        return None
+    return (
+        f"note: the {ranks} ranks of topology {cfg.topology} are {servers} server(s) and 1 worker: no data "
+        f"parallelism. {colocated} makes every rank a worker that also serves its shard; or start more ranks"
+    )
 
 
 def down_link_note(cfg: RunConfig, layers: list, *, down: str = "") -> str | None:

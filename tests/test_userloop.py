@@ -171,6 +171,20 @@ def test_your_loop_is_told_at_start_up_what_psgrad_train_would_say(tmp_path, cod
     notes = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad] note:")]
     assert len(notes) == 1 and says in notes[0], proc.stderr[-3000:]
     assert "codec='none'" in notes[0] or "down_codec=" in notes[0]  # the script's words, not the CLI's
+    # who is who (rank 0 serves and never returns from init), and the exchange: once for the job
+    roles = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad] rank=role:pid ")]
+    assert len(roles) == 1 and re.match(r"\[psgrad\] rank=role:pid 0=server:\d+, 1=worker:\d+, 2=worker:\d+$", roles[0])
+    assert proc.stderr.count(f"psgrad.init: 3 ranks (1 serving, 2 working), topology ps, codec {codec[0]}") == 1
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_two_ranks_under_ps_are_told_they_train_on_one_worker(tmp_path, topology):
+    """mpiexec -n 2 under ps is one server and one worker: nothing runs in parallel, as psgrad
+    train says; colocated, both ranks work."""
+    proc = run_script("userloop.py", str(tmp_path), "no_optimizer", topology, "none", n=2, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "note: the 2 ranks of topology ps are 1 server(s) and 1 worker: no data parallelism. topology='colocated'"
+    assert proc.stderr.count(said) == (1 if topology == "ps" else 0), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@
    the settings table), held to the command line's rules and messages (``startup.prepare``: the
    ranks agree, or every rank raises).
 2. This rank's place: its layout under the topology (``ps`` or ``colocated``; the servers sum,
-   so ``mode`` is ``sync``). Rank 0 says when the codec, feedback and down-link trailed dense
-   training in psgrad's measurements (``accuracy_note``), as ``psgrad train`` does at start-up.
+   so ``mode`` is ``sync``). Rank 0 says, as ``psgrad train`` does at start-up, which rank plays
+   which role, the exchange's settings, and the notes on them (``_announce``).
 3. A serving-only rank (``--topology ps``) serves here: it learns the layer plan from the first
    worker's ``DistributedOptimizer``, decodes and sums gradients until every worker called
    ``shutdown`` (or exited), then ends its process with status 0. So one script runs unchanged
@@ -35,12 +35,13 @@ import torch.nn.functional as F
 
 from ..accuracy import accuracy_note
 from ..choices import RENAMED
+from ..codecs import make_codec
 from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
 from ..config import RunConfig
 from ..config.refusals import your_loop_config
-from ..context import RunContext
+from ..context import RunContext, one_worker_note, ranks_line
 from ..metrics import say
 from ..roles import topology_of
 from ..runtime.watchdog import Report, Watchdog
@@ -104,9 +105,7 @@ def init(**settings) -> None:
     transport = Transport()
     _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
-    # the settings agree: one rank says it for the job
-    if transport.rank == 0 and (note := accuracy_note(cfg, dense="codec='none'")) is not None:
-        say(f"[psgrad] {note}")
+    _announce(cfg, transport=transport, layout=layout)  # the settings agree: one rank says them for the job
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
@@ -140,6 +139,25 @@ def _refuse_too_few_ranks(cfg: RunConfig, *, ranks: int) -> None:
             f"and this job has {ranks}: start the script with mpiexec -n {needed + 1} python ... ({cfg.servers} "
             "server(s) and 2 workers), or pass topology='colocated', where every rank works and serves"
         )
+
+
+def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> None:
+    """Rank 0's start-up lines, as ``psgrad train``'s: which rank plays which role in which
+    process (a serving-only rank never returns from ``init``), the exchange's settings, and the
+    notes on them (collective: every rank gives its pid)."""
+    pids = transport.all_pids()
+    if transport.rank != 0:
+        return
+    say(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}")
+    down = f", down-codec {make_codec(cfg.down_codec).spec}" if cfg.down_codec != "none" else ""
+    say(
+        f"[psgrad] psgrad.init: {len(pids)} ranks ({len(layout.server_ranks)} serving, {layout.num_workers} "
+        f"working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}{down}"
+    )
+    for note in (accuracy_note(cfg, dense="codec='none'"), one_worker_note(cfg, layout, ranks=len(pids),
+                                                                          colocated="topology='colocated'")):  # fmt: skip
+        if note is not None:
+            say(f"[psgrad] {note}")
 
 
 def _end_job_on_error(previous):
