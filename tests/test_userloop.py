@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_script
+from conftest import SCRIPTS, interrupt_when, mpiexec, run_script
 
 import psgrad
 from psgrad.config import RunConfig
@@ -136,6 +137,23 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
     stopped = 2 if topology == "ps" else 1
     assert f"no heartbeat from rank {stopped}" in proc.stderr, proc.stderr[-3000:]
     assert "waiting for" in proc.stderr and "(timeout=5)" in proc.stderr  # what the others wait for, how long
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_ctrl_c_says_where_each_rank_stopped_and_ends_the_job_with_130(tmp_path, topology):
+    """Ctrl-C in your loop: each rank says in one line where the script stopped and what psgrad
+    was doing, and the job ends with the shell's status for Ctrl-C; no rank prints a traceback
+    into psgrad's waits (three of them buried the one line before)."""
+    cmd = [mpiexec(), "-n", str(RANKS[topology]), sys.executable, str(SCRIPTS / "userloop.py"), str(tmp_path),
+           "forever", topology, "none"]  # fmt: skip
+    trains = f"worker {RANKS[topology] - 2} trains"
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120)
+    err = (tmp_path / "err").read_text()
+    assert proc.returncode == 130, err[-3000:]
+    said = re.findall(r"^\[psgrad rank (\d)\] interrupted at userloop\.py:\d+, (.*)$", err, re.MULTILINE)
+    assert sorted(int(rank) for rank, _ in said) == list(range(RANKS[topology])), err[-3000:]
+    assert all(re.match(r"(step \d+: |serving: )", doing) for _, doing in said), said
+    assert "Traceback" not in err, err[-3000:]
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])

@@ -92,7 +92,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         w.closers.append(self._close)
         w.optimizers += 1
         self._world, self._stepped = w, time.monotonic()
-        w.doing = self._doing
+        w.doing, w.doing_in_psgrad = self._doing, self._doing_in_psgrad
         broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model
 
     # ------------------------------------------------------------------ what torch sees
@@ -233,6 +233,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if WAITING.seconds():
             return doing if "waiting" in doing else f"step {self.step_index}: synchronizing"
         return f"step {self.step_index}: in your loop"
+
+    def _doing_in_psgrad(self) -> str:
+        """What this worker did when an interrupt stopped it inside psgrad's code: the wait it was
+        in (a wait's words stay when it is cut short), or psgrad's hooks (coding, serving)."""
+        doing = self.worker.doing
+        return doing if "waiting" in doing else f"step {self.step_index}: in psgrad's hooks (coding or serving)"
 
     def _count(self, name: str):
         """The hook that counts backward passes, and decides whether the worker's hook pushes."""

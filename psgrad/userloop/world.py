@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
 import time
 import traceback
@@ -44,6 +45,7 @@ from ..config.refusals import your_loop_config
 from ..context import RunContext, one_worker_note, ranks_line
 from ..metrics import say
 from ..roles import topology_of
+from ..runtime.signals import ignore_further_stops, stop_reason
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
@@ -67,6 +69,7 @@ class World:
     done: bool = False
     watchdog: Watchdog | None = None
     doing: Callable[[], str] = lambda: "in your loop, before its DistributedOptimizer"  # for the watchdog
+    doing_in_psgrad: Callable[[], str] = lambda: ""  # the engine's last words, for a stop inside psgrad's code
     slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
 
     def watch(self) -> None:
@@ -162,14 +165,38 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
 
 def _end_job_on_error(previous):
     """An uncaught exception on a worker ends the whole job once it is printed: the servers and
-    the other workers would otherwise wait for this worker's gradients for ever."""
+    the other workers would otherwise wait for this worker's gradients for ever. Ctrl-C (or a
+    ``Terminated``) is said in one line, where the script stopped and what psgrad was doing, as
+    ``psgrad train`` says it: a traceback into psgrad's waits on every rank would bury it
+    (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the signal."""
 
     def hook(kind, value, trace) -> None:
+        if isinstance(value, KeyboardInterrupt):
+            reason, status = stop_reason(value)
+            line, inside = _your_line(trace)
+            doing = (_WORLD.doing_in_psgrad() if inside else "") or _WORLD.doing()
+            say(f"[psgrad rank {_WORLD.transport.rank}] {reason} at {line}, {doing}")
+            if os.environ.get("PSGRAD_DEBUG"):
+                previous(kind, value, trace)
+            ignore_further_stops()  # a second Ctrl-C must not cut the abort short
+            _abort(reason, status=status)
+            return
         _say(value)
         previous(kind, value, trace)
-        _abort(value)
+        _abort(f"{type(value).__name__}: {value}")
 
     return hook
+
+
+def _your_line(trace) -> tuple[str, bool]:
+    """The script's line a traceback went through last (``train.py:42``: where your code was), and
+    whether the traceback ends inside psgrad's code (a wait for the servers, say)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = traceback.extract_tb(trace)
+    inside = bool(frames) and os.path.abspath(frames[-1].filename).startswith(package)
+    theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(package)]
+    mine = [f for f in theirs if "site-packages" not in f.filename] or theirs
+    return (f"{os.path.basename(mine[-1].filename)}:{mine[-1].lineno}" if mine else "psgrad's code"), inside
 
 
 def _shutdown_at_exit() -> None:
@@ -180,7 +207,7 @@ def _shutdown_at_exit() -> None:
     except BaseException as err:
         _say(err)
         traceback.print_exc()
-        _abort(err)
+        _abort(f"{type(err).__name__}: {err}")
 
 
 def _say(err: BaseException) -> None:
@@ -189,15 +216,15 @@ def _say(err: BaseException) -> None:
     say(f"[psgrad{where}] {type(err).__name__}: {err}")
 
 
-def _abort(err: BaseException) -> None:
-    """End every rank of the job, once mpiexec had a moment to pass on what this rank printed
-    (an abort can drop output not yet forwarded); the abort is claimed, so that the sentinels of
-    the ranks it takes down do not name them as having died."""
+def _abort(why: str, *, status: int = 1) -> None:
+    """End every rank of the job with ``status``, once mpiexec had a moment to pass on what this
+    rank printed (an abort can drop output not yet forwarded); the abort is claimed (``why``), so
+    that the sentinels of the ranks it takes down do not name them as having died."""
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_SECONDS)
     if _WORLD is not None and _WORLD.watchdog is not None:
-        _WORLD.watchdog.claim(f"{type(err).__name__}: {err}")
-    abort_if_running(1)
+        _WORLD.watchdog.claim(why)
+    abort_if_running(status)
 
 
 def world() -> World:

@@ -26,7 +26,8 @@ and backward inside a bf16 autocast block (psgrad's coding must stay fp32), agai
 without autocast, from the same state. Scenario ``no_optimizer``: every worker exits after
 ``init`` without a ``DistributedOptimizer`` (the job must end, status 0); ``one_optimizer``: only
 the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
-(SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``misuse``: each
+(SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``forever``
+trains until the job is interrupted. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
@@ -341,6 +342,12 @@ def main() -> None:
             if step == 3 and psgrad.worker_index() == 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
             train(model, opt, [step])
+        result = {}
+    elif scenario == "forever":  # until Ctrl-C, saying when it has taken steps
+        for step in range(10**9):
+            train(model, opt, [step % STEPS])
+            if step == 3:
+                print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
         result = {}
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
