@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -139,21 +140,31 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
     assert "waiting for" in proc.stderr and "(timeout=5)" in proc.stderr  # what the others wait for, how long
 
 
-@pytest.mark.parametrize("topology", ["ps", "colocated"])
-def test_ctrl_c_says_where_each_rank_stopped_and_ends_the_job_with_130(tmp_path, topology):
-    """Ctrl-C in your loop: each rank says in one line where the script stopped and what psgrad
-    was doing, and the job ends with the shell's status for Ctrl-C; no rank prints a traceback
-    into psgrad's waits (three of them buried the one line before)."""
+@pytest.mark.parametrize(
+    "topology, stop, said, status",
+    [
+        ("ps", signal.SIGINT, "interrupted", 130),
+        ("colocated", signal.SIGINT, "interrupted", 130),
+        ("ps", signal.SIGTERM, r"terminated \(SIGTERM\)", 143),
+    ],
+)
+def test_a_stopped_job_says_where_each_rank_stopped_and_ends_with_the_signals_status(
+    tmp_path, topology, stop, said, status
+):
+    """Ctrl-C (or SIGTERM, a scheduler's cancel) in your loop: each rank says in one line where
+    the script stopped and what psgrad was doing, and the job ends with the shell's status for the
+    signal; no rank prints a traceback into psgrad's waits (three of them buried the one line
+    before), and a terminated rank no longer dies without a word (its sentinel blamed a crash)."""
     cmd = [mpiexec(), "-n", str(RANKS[topology]), sys.executable, str(SCRIPTS / "userloop.py"), str(tmp_path),
            "forever", topology, "none"]  # fmt: skip
     trains = f"worker {RANKS[topology] - 2} trains"
-    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120)
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120, sig=stop)
     err = (tmp_path / "err").read_text()
-    assert proc.returncode == 130, err[-3000:]
-    said = re.findall(r"^\[psgrad rank (\d)\] interrupted at userloop\.py:\d+, (.*)$", err, re.MULTILINE)
+    assert proc.returncode == status, err[-3000:]
+    said = re.findall(rf"^\[psgrad rank (\d)\] {said} at userloop\.py:\d+, (.*)$", err, re.MULTILINE)
     assert sorted(int(rank) for rank, _ in said) == list(range(RANKS[topology])), err[-3000:]
     assert all(re.match(r"(step \d+: |serving: )", doing) for _, doing in said), said
-    assert "Traceback" not in err, err[-3000:]
+    assert "Traceback" not in err and "died without a word" not in err, err[-3000:]
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])

@@ -80,6 +80,18 @@ def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
     return _stop_signals_to(_raise_terminated)
 
 
+def stop_signals_raise_from_now() -> None:
+    """From now on, each of ``STOP_SIGNALS`` still at its default action raises ``Terminated`` in
+    the main thread, as within ``stop_signals_raise`` (``psgrad.init``: for a script's whole run,
+    so that a terminated rank says where it stopped instead of dying without a word, and the
+    script's ``finally`` blocks run); a handler the script set itself stays. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _raise_terminated)
+
+
 def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
     """Within, each of ``STOP_SIGNALS`` ends this process by the signal's default action, as
     without a handler, but first removes the MPI library's shared-memory segments it maps, which

@@ -14,7 +14,8 @@
    on every rank; code after ``init`` runs on the workers only.
 4. Every rank is watched as ``psgrad train``'s are (``runtime/watchdog.py``): a rank that stops,
    dies or is cut off, or every rank waiting on another, ends the job within ``timeout`` seconds,
-   naming the rank, where the others would wait for its gradients for ever.
+   naming the rank, where the others would wait for its gradients for ever. An uncaught error,
+   Ctrl-C or SIGTERM on any rank ends the job too, said by that rank (``_end_job_on_error``).
 5. A worker returns. At exit (or ``shutdown()``) it tells the servers it is done and leaves MPI
    together with the other ranks.
 """
@@ -45,7 +46,7 @@ from ..config.refusals import your_loop_config
 from ..context import RunContext, one_worker_note, ranks_line
 from ..metrics import say
 from ..roles import topology_of
-from ..runtime.signals import ignore_further_stops, stop_reason
+from ..runtime.signals import ignore_further_stops, stop_reason, stop_signals_raise_from_now
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
@@ -112,6 +113,7 @@ def init(**settings) -> None:
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
+    stop_signals_raise_from_now()  # SIGTERM as Ctrl-C: said by every rank, where the default dies without a word
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
     atexit.register(_shutdown_at_exit)
@@ -165,8 +167,8 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
 
 def _end_job_on_error(previous):
     """An uncaught exception on a worker ends the whole job once it is printed: the servers and
-    the other workers would otherwise wait for this worker's gradients for ever. Ctrl-C (or a
-    ``Terminated``) is said in one line, where the script stopped and what psgrad was doing, as
+    the other workers would otherwise wait for this worker's gradients for ever. Ctrl-C (or
+    SIGTERM, ``Terminated``) is said in one line, where the script stopped and what psgrad was doing, as
     ``psgrad train`` says it: a traceback into psgrad's waits on every rank would bury it
     (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the signal."""
 
