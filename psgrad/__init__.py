@@ -35,6 +35,8 @@ _HOMES = {
     "ddp_hook": "psgrad.ddpcomm",
     "broadcast_parameters": "psgrad.userloop",
     "broadcast_optimizer_state": "psgrad.userloop",
+    "average": "psgrad.userloop",
+    "average_buffers": "psgrad.userloop",
 }
 __all__ = sorted(_HOMES)
 

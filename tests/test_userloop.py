@@ -43,6 +43,15 @@ def test_with_codec_none_it_is_data_parallel_sgd_and_equals_ddp(tmp_path, topolo
         assert result["resumed"] == 0.0, result
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_the_workers_average_a_metric_and_their_batchnorm_statistics(tmp_path, topology):
+    """psgrad.average is the workers' mean on every worker (floats and floating tensors averaged,
+    counts and other values the first worker's); average_buffers gives every worker the mean of
+    the running statistics, which followed each worker's own shard."""
+    for result in _results(tmp_path, "average", topology, "none"):
+        assert result == {"acc": 0.0, "t": 0.0, "count": 0, "pair": [0.0, "w"], "mean": 0.0, "var": 0.0, "tracked": 7}
+
+
 @pytest.mark.parametrize(
     "topology, codec",
     [

@@ -1,5 +1,6 @@
-"""Among the workers only: one worker's parameters or optimizer state to the others, and a
-worker's shard of a dataset.
+"""Among the workers only: one worker's parameters or optimizer state to the others, the
+workers' mean of a value (a metric, BatchNorm's running statistics), and a worker's shard of a
+dataset.
 
 Servers of ``--topology ps`` sum in their own loop and take part in no collective of the
 workers, so a broadcast here is point to point: the first worker sends to each other worker on
@@ -50,6 +51,70 @@ def _unpack(value: Any) -> Any:
     if isinstance(value, list):
         return [_unpack(item) for item in value]
     return value
+
+
+def _send_and_receive_first_worker(value: Any) -> list[Any] | None:
+    """Every worker's ``value``, in worker order, on the first worker (None on the others)."""
+    w = world()
+    workers, me = w.layout.worker_ranks, w.transport.rank
+    if me != workers[0]:
+        data = msgpack.packb(_pack(value), use_bin_type=True)
+        size = np.array([len(data)], dtype=np.int64).tobytes()
+        w.transport.wait_all([w.transport.isend(part, workers[0], TAG_USER) for part in (size, data)])
+        return None
+    values = [value]
+    for rank in workers[1:]:
+        head = w.transport.irecv(8, rank, TAG_USER).wait()
+        size = int(np.frombuffer(bytes(head.payload()), dtype=np.int64)[0])
+        body = w.transport.irecv(size, rank, TAG_USER).wait()
+        values.append(_unpack(msgpack.unpackb(bytes(body.payload()), raw=False, strict_map_key=False)))
+    return values
+
+
+def _mean(values: list[Any]) -> Any:
+    """The mean of the workers' ``values`` (one structure each): floating tensors and numbers
+    averaged, other tensors (counts, flags) and values the first worker's."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not first.is_floating_point():
+            return first
+        total = torch.zeros(first.shape, dtype=torch.float64)
+        for value in values:
+            total += value.detach().cpu().double()
+        return (total / len(values)).to(first.dtype).to(first.device)
+    if isinstance(first, float | int) and not isinstance(first, bool):
+        return sum(values) / len(values)
+    if isinstance(first, Mapping):
+        return {key: _mean([value[key] for value in values]) for key in first}
+    if isinstance(first, list | tuple):
+        return type(first)(_mean([value[i] for value in values]) for i in range(len(first)))
+    return first
+
+
+def average(value: Any) -> Any:
+    """The mean over the workers of ``value`` (collective: every worker calls it): a tensor, a
+    number, or a dict, list or tuple of them, e.g. a test accuracy each worker measured on its
+    shard. Floating tensors and numbers are averaged (in float64), other tensors and values are
+    the first worker's.
+
+    1. Every other worker sends its ``value`` to the first (msgpack, no pickle).
+    2. The first worker averages them.
+    3. It sends the mean back to every other worker."""
+    values = _send_and_receive_first_worker(value)
+    mean = _mean(values) if values is not None else None
+    return _from_first_worker(mean)
+
+
+def average_buffers(model: torch.nn.Module) -> None:
+    """Replace ``model``'s buffers by the workers' ``average`` of them, in place (collective:
+    every worker calls it): BatchNorm's running mean and variance, which follow each worker's own
+    shard, averaged as ``psgrad train`` averages them before it evaluates; counts
+    (``num_batches_tracked``) the first worker's. Before evaluating or saving the model."""
+    buffers = dict(model.named_buffers())
+    mean = average(buffers)
+    with torch.no_grad():
+        for name, value in mean.items():
+            buffers[name].copy_(value)
 
 
 def _from_first_worker(value: Any) -> Any:

@@ -27,7 +27,8 @@ without autocast, from the same state. Scenario ``no_optimizer``: every worker e
 ``init`` without a ``DistributedOptimizer`` (the job must end, status 0); ``one_optimizer``: only
 the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
 (SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``forever``
-trains until the job is interrupted. Scenario ``misuse``: each
+trains until the job is interrupted. Scenario ``average``: the workers' mean of values and of
+BatchNorm buffers. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
@@ -235,6 +236,30 @@ def raised(action) -> str:
     return ""
 
 
+def scenario_average() -> dict:
+    """``psgrad.average`` and ``average_buffers`` against the mean worked out here: worker k holds
+    k + 1 (and BatchNorm buffers of k + 1), so the mean is (n + 1) / 2; counts stay the first
+    worker's."""
+    k, want = psgrad.worker_index(), (psgrad.num_workers() + 1) / 2
+    got = psgrad.average(
+        {"acc": float(k + 1), "t": torch.full((3,), k + 1.0), "count": torch.tensor(k), "pair": (k + 1, "w")}
+    )
+    bn = nn.BatchNorm1d(4)
+    bn.running_mean.fill_(k + 1.0)
+    bn.running_var.fill_(2.0 * (k + 1))
+    bn.num_batches_tracked.fill_(7 + k)
+    psgrad.average_buffers(bn)
+    return {
+        "acc": got["acc"] - want,
+        "t": float((got["t"] - want).abs().max()),
+        "count": int(got["count"]),
+        "pair": [got["pair"][0] - want, got["pair"][1]],
+        "mean": float((bn.running_mean - want).abs().max()),
+        "var": float((bn.running_var - 2 * want).abs().max()),
+        "tracked": int(bn.num_batches_tracked),
+    }
+
+
 def scenario_misuse(model: nn.Module, opt) -> dict:
     images, labels = batch(psgrad.worker_index(), 0)
 
@@ -343,6 +368,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             train(model, opt, [step])
         result = {}
+    elif scenario == "average":
+        result = scenario_average()
     elif scenario == "forever":  # until Ctrl-C, saying when it has taken steps
         for step in range(10**9):
             train(model, opt, [step % STEPS])
