@@ -226,7 +226,9 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
         )
 
 
-def one_worker_note(cfg: RunConfig, layout, *, ranks: int, colocated: str = "--topology colocated") -> str | None:
+def one_worker_note(
+    cfg: RunConfig, layout: RankLayout, *, ranks: int, colocated: str = "--topology colocated"
+) -> str | None:
     """What ``mpiexec -n 2`` under ``ps`` gives, which nothing else says: one server and one worker,
     so nothing runs in parallel (None for any other layout). ``colocated`` is how the caller's
     users ask for colocated serving."""

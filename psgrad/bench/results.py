@@ -236,8 +236,9 @@ def _accuracy(r: BenchRow) -> str:
 
 def table(rows: list[BenchRow], wide: bool = False) -> str:
     """The it/s table: by default the columns that rank configurations (it/s, speed-up, share of
-    the ideal rate, bytes, loss, and the accuracy psgrad measured of each row); ``wide`` adds overlap, server CPU, the ideal rate and the per-step
-    time breakdown. A legend of the derived columns follows."""
+    the ideal rate, bytes, loss, and the accuracy psgrad measured of each row); ``wide`` adds
+    overlap, server CPU, the ideal rate and the per-step time breakdown. A legend of the columns
+    follows."""
     width = max([30, *(len(r.codec) for r in rows)])
     head = (
         f"{'codec':{width}s} {'it/s':>7s} {'±':>5s} {'speedup':>7s} {'of ideal':>8s} {'MB/step':>8s} {'ratio':>7s} "

@@ -24,6 +24,8 @@ _TENSOR = "__psgrad_tensor__"
 
 
 def _pack(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):  # numpy's values travel as torch's
+        value = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value.item()
     if isinstance(value, torch.Tensor):
         array = value.detach().cpu()
         dtype = str(array.dtype).removeprefix("torch.")
@@ -72,8 +74,8 @@ def _send_and_receive_first_worker(value: Any) -> list[Any] | None:
 
 
 def _mean(values: list[Any]) -> Any:
-    """The mean of the workers' ``values`` (one structure each): floating tensors and numbers
-    averaged, other tensors (counts, flags) and values the first worker's."""
+    """The mean of the workers' ``values`` (one structure each, as ``_pack`` sends them): floating
+    tensors and numbers averaged, other tensors (counts, flags) and values the first worker's."""
     first = values[0]
     if isinstance(first, torch.Tensor):
         if not first.is_floating_point():
@@ -86,21 +88,23 @@ def _mean(values: list[Any]) -> Any:
         return sum(values) / len(values)
     if isinstance(first, Mapping):
         return {key: _mean([value[key] for value in values]) for key in first}
-    if isinstance(first, list | tuple):
-        return type(first)(_mean([value[i] for value in values]) for i in range(len(first)))
+    if isinstance(first, list):
+        return [_mean([value[i] for value in values]) for i in range(len(first))]
     return first
 
 
 def average(value: Any) -> Any:
     """The mean over the workers of ``value`` (collective: every worker calls it): a tensor, a
-    number, or a dict, list or tuple of them, e.g. a test accuracy each worker measured on its
-    shard. Floating tensors and numbers are averaged (in float64), other tensors and values are
-    the first worker's.
+    number, or a dict, list or tuple of them (numpy's too), e.g. a test accuracy each worker
+    measured on its shard. Floating tensors and numbers are averaged (in float64), other tensors
+    and values are the first worker's; every worker gets the same structure back (a tuple as a
+    list, a numpy array as a tensor).
 
-    1. Every other worker sends its ``value`` to the first (msgpack, no pickle).
-    2. The first worker averages them.
-    3. It sends the mean back to every other worker."""
-    values = _send_and_receive_first_worker(value)
+    1. Every worker takes its ``value`` as it travels (``_pack``).
+    2. Every other worker sends it to the first (msgpack, no pickle).
+    3. The first worker averages them.
+    4. It sends the mean back to every other worker."""
+    values = _send_and_receive_first_worker(_unpack(_pack(value)))
     mean = _mean(values) if values is not None else None
     return _from_first_worker(mean)
 

@@ -168,9 +168,9 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
 def _end_job_on_error(previous):
     """An uncaught exception on a worker ends the whole job once it is printed: the servers and
     the other workers would otherwise wait for this worker's gradients for ever. Ctrl-C (or
-    SIGTERM, ``Terminated``) is said in one line, where the script stopped and what psgrad was doing, as
-    ``psgrad train`` says it: a traceback into psgrad's waits on every rank would bury it
-    (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the signal."""
+    SIGTERM, ``Terminated``) is said in one line, where the script stopped and what psgrad was
+    doing, as ``psgrad train`` says it: a traceback into psgrad's waits on every rank would bury
+    it (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the signal."""
 
     def hook(kind, value, trace) -> None:
         if isinstance(value, KeyboardInterrupt):

@@ -42,6 +42,7 @@ import socket
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -242,8 +243,9 @@ def scenario_average() -> dict:
     worker's."""
     k, want = psgrad.worker_index(), (psgrad.num_workers() + 1) / 2
     got = psgrad.average(
-        {"acc": float(k + 1), "t": torch.full((3,), k + 1.0), "count": torch.tensor(k), "pair": (k + 1, "w")}
-    )
+        {"acc": float(k + 1), "t": torch.full((3,), k + 1.0), "count": torch.tensor(k), "pair": (k + 1, "w"),
+         "numpy": np.float32(k + 1)}
+    )  # fmt: skip
     bn = nn.BatchNorm1d(4)
     bn.running_mean.fill_(k + 1.0)
     bn.running_var.fill_(2.0 * (k + 1))
@@ -254,6 +256,7 @@ def scenario_average() -> dict:
         "t": float((got["t"] - want).abs().max()),
         "count": int(got["count"]),
         "pair": [got["pair"][0] - want, got["pair"][1]],
+        "numpy": got["numpy"] - want,
         "mean": float((bn.running_mean - want).abs().max()),
         "var": float((bn.running_var - 2 * want).abs().max()),
         "tracked": int(bn.num_batches_tracked),
