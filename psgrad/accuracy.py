@@ -19,7 +19,8 @@ combination that trailed dense training.
    (``local_key``), and a run with local steps that nothing measured is told so.
 3. ``accuracy_lines(cfg)`` gives a table of speeds its accuracy (``psgrad plan``, which sets no
    feedback): the combination's measurements under every feedback, or that it is dense or was
-   never measured.
+   never measured. ``best_measured(codec)`` is a codec's best combination, for a table of codecs
+   alone (``psgrad codecs``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class Measured:
     local: str = ""  # "": a gradient every step; else the local steps measured (``local_key``)
     digits: float | None = None  # x dense on --dataset digits; None: not measured there
     failed: str = ""  # a larger model it did not learn, and where that is shown; "": none seen
+
+    @property
+    def lowest(self) -> float:
+        """The lowest of its fractions of dense over the datasets it was measured on."""
+        return min(x for x in (self.of_dense, self.digits, self.held_out) if x is not None)
 
     @property
     def trails(self) -> bool:
@@ -295,6 +301,14 @@ def measured_with_any_feedback(cfg: RunConfig) -> list[Measured]:
         and covers(m.codec, cfg.codec)
         and covers(m.down, down)
     ]
+
+
+def best_measured(codec_spec: str) -> Measured | None:
+    """Of the per-step measurements of ``codec_spec`` (any feedback and down-link, with a server
+    or alltoall), the one whose lowest fraction of dense over the datasets is highest: what the
+    codec reached at best, for a table of codecs alone (``psgrad codecs``)."""
+    found = [m for m in MEASURED if not m.local and not m.topology and covers(m.codec, codec_spec)]
+    return max(found, key=lambda m: m.lowest, default=None)
 
 
 def accuracy_lines(cfg: RunConfig) -> list[str]:

@@ -539,6 +539,21 @@ def test_a_codec_table_keeps_its_columns_under_a_long_spec():
     assert {len(line) for line in lines} == {len(head)}
 
 
+def test_a_codec_table_shows_the_best_accuracy_psgrad_measured_with_each_codec():
+    """psgrad codecs times codecs alone: beside each, the best combination psgrad measured with it,
+    the lowest over its datasets, marked when even that trails dense."""
+    from psgrad.bench import codecbench
+
+    specs = ("none", "qsgd:levels=16", "topk:ratio=0.01", "sign", "fp16")
+    rows = codecbench.run(specs, sizes=(1024,), repeat=1)
+    head, _, *lines = codecbench.table(rows).splitlines()[1:]
+    assert head.split()[-1] == "acc" and {len(line) for line in lines} == {len(head)}
+    # dense; QSGD-16 both ways (0.998, 0.991 digits, 1.01 held-out); top-k with ef and a dense
+    # down-link (0.934, 0.969, 0.93); sign with ef and QSGD-16 down (0.983, 0.989); fp16 unmeasured
+    assert [line.split()[-1] for line in lines] == ["1.00", "0.99", "0.93!", "0.98!", "?"]
+    assert codecbench.ACCURACY_LEGEND.startswith("acc: the best test accuracy")
+
+
 @pytest.mark.parametrize(
     "item, acc",
     [

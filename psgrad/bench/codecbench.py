@@ -187,10 +187,32 @@ def machine() -> dict[str, str | int]:
     }
 
 
+ACCURACY_LEGEND = (
+    "acc: the best test accuracy at equal epochs over dense's that psgrad measured with the codec (any feedback "
+    "and down-link, a gradient every step; the lowest over the datasets measured, "
+    'docs/benchmarks.md, "Which codec learns"); ! even the best trails dense, ? never measured: psgrad bench '
+    "and psgrad plan give a combination's own"
+)
+
+
+def _accuracy(spec: str) -> str:
+    """The ``acc`` column (``ACCURACY_LEGEND``), rounded down: under the bar never reads as the bar."""
+    from ..accuracy import best_measured, rounded_down
+
+    if spec == "none":
+        return "1.00"
+    best = best_measured(spec)
+    return "?" if best is None else rounded_down(best.lowest) + ("!" if best.trails else "")
+
+
 def table(rows: list[CodecRow]) -> str:
-    """One table per gradient size (or model), each under a line with its size and memcpy rate."""
+    """One table per gradient size (or model), each under a line with its size and memcpy rate;
+    ``ACCURACY_LEGEND`` says what its last column is."""
     width = max([40, *(len(r.codec) for r in rows)])  # a long spec widens the column, never shifts a row
-    head = f"{'codec':{width}s} {'bytes':>10s} {'ratio':>7s} {'bits/el':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'rt GB/s':>8s} {'rt/memcpy':>9s}"
+    head = (
+        f"{'codec':{width}s} {'bytes':>10s} {'ratio':>7s} {'bits/el':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
+        f"{'rt GB/s':>8s} {'rt/memcpy':>9s} {'acc':>5s}"
+    )
     lines: list[str] = []
     for (size, tensors), group in _groups(rows):
         what = f"{size:,} fp32 elements ({4 * size / 1e6:.1f} MB)" + (f" in {tensors} tensors" if tensors > 1 else "")
@@ -198,7 +220,8 @@ def table(rows: list[CodecRow]) -> str:
         for r in group:
             lines.append(
                 f"{r.codec:{width}s} {r.wire_bytes:10d} {r.ratio:7.1f} {r.bits_per_element:7.3f} "
-                f"{r.encode_gbps:9.2f} {r.decode_gbps:9.2f} {r.roundtrip_gbps:8.2f} {r.roundtrip_gbps / r.memcpy_gbps:9.4f}"
+                f"{r.encode_gbps:9.2f} {r.decode_gbps:9.2f} {r.roundtrip_gbps:8.2f} {r.roundtrip_gbps / r.memcpy_gbps:9.4f} "
+                f"{_accuracy(r.codec):>5s}"
             )
     return "\n".join(lines[1:])
 

@@ -94,5 +94,4 @@ def measured_accuracy(item: str, cfg: RunConfig, *, powersgd_rank: int) -> dict:
     found = measured(run)
     if found is None:
         return {}
-    fractions = [x for x in (found.of_dense, found.digits, found.held_out) if x is not None]
-    return {"of_dense": min(fractions), "trails": found.trails}
+    return {"of_dense": found.lowest, "trails": found.trails}

@@ -115,7 +115,8 @@ def codecs(
     json_path: str | None,
 ) -> None:
     """Bytes on the wire and encode/decode throughput of every codec, against a memcpy of the same
-    bytes, with cold caches: at several gradient sizes, or over the layers of a model."""
+    bytes, with cold caches: at several gradient sizes, or over the layers of a model; beside each
+    codec, the best accuracy psgrad measured with it."""
     if list_codecs:
         return _list_codecs()
     import torch
@@ -150,6 +151,7 @@ def codecs(
         f"{kernels_name()} kernels (PSGRAD_KERNELS, docs/codecs.md)"
     )
     click.echo(codecbench.table(rows))
+    click.echo(codecbench.ACCURACY_LEGEND)
     click.echo(f"available codecs: {', '.join(available_codecs())}")
 
 
