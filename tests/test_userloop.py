@@ -54,6 +54,13 @@ def test_the_workers_average_a_metric_and_their_batchnorm_statistics(tmp_path, t
         }  # fmt: skip
 
 
+def test_values_of_different_structures_end_the_job_saying_what_each_worker_passed(tmp_path):
+    proc = run_script("userloop.py", str(tmp_path), "average_apart", "colocated", "none", n=2, timeout=60)
+    assert proc.returncode != 0
+    said = "psgrad.average: every worker must pass a value of the same structure, got worker 0: ['loss'], worker 1: ['acc']"
+    assert said in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "topology, codec",
     [

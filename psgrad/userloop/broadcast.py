@@ -77,6 +77,9 @@ def _mean(values: list[Any]) -> Any:
     """The mean of the workers' ``values`` (one structure each, as ``_pack`` sends them): floating
     tensors and numbers averaged, other tensors (counts, flags) and values the first worker's."""
     first = values[0]
+    if any(_shape(value) != _shape(first) for value in values):
+        shapes = ", ".join(f"worker {k}: {_shape(value)}" for k, value in enumerate(values))
+        raise ValueError(f"psgrad.average: every worker must pass a value of the same structure, got {shapes}")
     if isinstance(first, torch.Tensor):
         if not first.is_floating_point():
             return first
@@ -91,6 +94,17 @@ def _mean(values: list[Any]) -> Any:
     if isinstance(first, list):
         return [_mean([value[i] for value in values]) for i in range(len(first))]
     return first
+
+
+def _shape(value: Any) -> Any:
+    """What must match between the workers' values: a tensor's shape, a dict's keys, a list's length."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, Mapping):
+        return sorted(map(str, value))
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return len(value) if isinstance(value, list) else type(value).__name__
 
 
 def average(value: Any) -> Any:

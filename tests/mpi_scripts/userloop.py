@@ -28,7 +28,7 @@ without autocast, from the same state. Scenario ``no_optimizer``: every worker e
 the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
 (SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``forever``
 trains until the job is interrupted. Scenario ``average``: the workers' mean of values and of
-BatchNorm buffers. Scenario ``misuse``: each
+BatchNorm buffers; ``average_apart``: of values that differ in structure. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
@@ -373,6 +373,8 @@ def main() -> None:
         result = {}
     elif scenario == "average":
         result = scenario_average()
+    elif scenario == "average_apart":  # the workers pass values of different structures
+        result = psgrad.average({"loss" if psgrad.worker_index() == 0 else "acc": 1.0})
     elif scenario == "forever":  # until Ctrl-C, saying when it has taken steps
         for step in range(10**9):
             train(model, opt, [step % STEPS])
