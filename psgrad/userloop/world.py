@@ -156,8 +156,9 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
     say(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}")
     down = f", down-codec {make_codec(cfg.down_codec).spec}" if cfg.down_codec != "none" else ""
     say(
-        f"[psgrad] psgrad.init: {len(pids)} ranks ({len(layout.server_ranks)} serving, {layout.num_workers} "
-        f"working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, feedback {cfg.feedback}{down}"
+        f"[psgrad] psgrad.init: {len(pids)} rank{'s' * (len(pids) != 1)} ({len(layout.server_ranks)} serving, "
+        f"{layout.num_workers} working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, "
+        f"feedback {cfg.feedback}{down}"
     )
     for note in (accuracy_note(cfg, dense="codec='none'"), one_worker_note(cfg, layout, ranks=len(pids),
                                                                           colocated="topology='colocated'")):  # fmt: skip
