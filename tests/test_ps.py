@@ -390,6 +390,15 @@ def test_a_rank_left_waiting_after_the_others_ended_is_ended():
     )
 
 
+def test_ranks_that_abort_together_run_nothing_after_it():
+    """MPICH's abort returns in a rank that outlives another rank's abort with the stop signals
+    ignored (a rank on its way down after Ctrl-C): your loop's exit handlers then ran on, and
+    raised about a worker that stopped early after the job had been ended."""
+    for _ in range(5):  # a race: one rank's abort may end the others before theirs
+        proc = run_script("abort_together.py", timeout=60)
+        assert proc.returncode == 7 and "ran on after its abort" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("topology,worker,rank", FAILING)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_stopped_rank_is_named_within_the_timeout(topology, worker, rank, mode):

@@ -314,6 +314,9 @@ def abort_if_running(code: int) -> None:
     if _mpi_running():
         _run_hooks(_BEFORE_ABORT)
         MPI.COMM_WORLD.Abort(code)
+        # MPICH's Abort returns when another rank's abort is under way and this process outlives
+        # it (stop signals ignored): the rest of the script, its exit handlers included, must not run
+        os._exit(code)
 
 
 def finalize() -> None:

@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import sys
+import sysconfig
 import time
 import traceback
 import warnings
@@ -193,13 +194,16 @@ def _end_job_on_error(previous):
 
 def _your_line(trace) -> tuple[str, bool]:
     """The script's line a traceback went through last (``train.py:42``: where your code was), and
-    whether the traceback ends inside psgrad's code (a wait for the servers, say)."""
+    whether the code it ends in is psgrad's (a wait for the servers, say): of its frames, Python's
+    own and the installed libraries' (torch's) are neither yours nor psgrad's."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = traceback.extract_tb(trace)
-    inside = bool(frames) and os.path.abspath(frames[-1].filename).startswith(package)
-    theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(package)]
-    mine = [f for f in theirs if "site-packages" not in f.filename] or theirs
-    return (f"{os.path.basename(mine[-1].filename)}:{mine[-1].lineno}" if mine else "psgrad's code"), inside
+    libraries = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    # "<string>": code that Python generated (a dataclass's __init__), nobody's file
+    frames = [(os.path.abspath(f.filename), f.lineno) for f in traceback.extract_tb(trace) if f.filename[:1] != "<"]
+    code = [(name, line) for name, line in frames if not name.startswith(libraries) or name.startswith(package)]
+    inside = bool(code) and code[-1][0].startswith(package)
+    yours = [(name, line) for name, line in code if not name.startswith(package)]
+    return (f"{os.path.basename(yours[-1][0])}:{yours[-1][1]}" if yours else "psgrad's code"), inside
 
 
 def _shutdown_at_exit() -> None:
