@@ -5,16 +5,16 @@ torch loop with ``psgrad.DistributedOptimizer``, so its rate pairs with ``psgrad
 2. The model and each worker's batches as ``psgrad train`` makes them (``cfg.model``,
    ``shards.shard_loader``, ``--memory-format``), and torch's SGD with the run's lr, momentum,
    Nesterov and weight decay (no schedule: the rate does not depend on it).
-3. Per step: zero_grad, forward, loss, backward, ``step()``; the first worker keeps a row per
-   step (the wall clock, its loss, and the bytes it sent and received times the workers: every
-   worker moves as many).
+3. Per step: zero_grad, forward, loss, backward, ``step()``; each worker keeps a row per step
+   (the wall clock, its loss, the bytes it sent and received); after the steps, the bytes become
+   every worker's (``psgrad.average`` times the workers), as ``psgrad train`` counts them.
 4. The row's traffic ends (``shutdown(leave_mpi=False)``): the job's end leaves MPI.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,9 @@ from ..shards import shard_loader
 def own_loop_rows(cfg: RunConfig, *, steps: int) -> list[dict] | None:
     """Train ``steps`` steps of ``cfg`` through your own loop; the first worker's rows, else None."""
     from .. import userloop
+    from ..userloop.world import init_settings
 
-    defaults = RunConfig()
-    userloop.init(
-        **{f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
-    )
+    userloop.init(**init_settings(cfg))  # the row's exchange; its model, data and SGD are this loop's
     torch.set_num_threads(cfg.threads)
     model = seeded_model(lambda: build_model(cfg.model, cfg.num_classes, **cfg.model_options), seed=cfg.seed)
     loader = shard_loader(cfg, worker=userloop.worker_index(), workers=userloop.num_workers())
@@ -53,17 +51,14 @@ def own_loop_rows(cfg: RunConfig, *, steps: int) -> list[dict] | None:
         stats = asdict(opt.worker.stats)
         opt.step()
         end = time.perf_counter()
-        workers = userloop.num_workers()
         rows.append(
-            stats
-            | {
-                "step": step,
-                "loss": float(loss),
-                "wall": end - started,
-                "step_time": end - begin,
-                "bytes_up": stats["bytes_up"] * workers,
-                "bytes_down": stats["bytes_down"] * workers,
-            }
+            stats | {"step": step, "loss": float(loss.detach()), "wall": end - started, "step_time": end - begin}
         )
+    # the bytes of every worker, as psgrad train counts them: colocated, the layers a rank serves
+    # itself never cross a link, and a small model's shards can be far apart (one MLP rank sent 3 KB
+    # a step, the other 0.8 MB)
+    means = userloop.average([[row["bytes_up"], row["bytes_down"]] for row in rows])
+    for row, (up, down) in zip(rows, means, strict=True):
+        row["bytes_up"], row["bytes_down"] = up * userloop.num_workers(), down * userloop.num_workers()
     userloop.shutdown(leave_mpi=False)
     return rows if userloop.worker_index() == 0 else None

@@ -41,12 +41,13 @@ from ..choices import RENAMED
 from ..codecs import make_codec
 from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
-from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together
+from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together, on_job_end
 from ..config import RunConfig
 from ..config.refusals import your_loop_config
 from ..context import RunContext, one_worker_note, ranks_line
 from ..metrics import say
 from ..roles import topology_of
+from ..runtime import job_end_hooks
 from ..runtime.signals import ignore_further_stops, stop_reason, stop_signals_raise_from_now
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
@@ -108,6 +109,7 @@ def init(**settings) -> None:
         settings[RENAMED[name]] = settings.pop(name)
     cfg = _your_loop_config(settings)
     transport = Transport()
+    on_job_end(**job_end_hooks())  # as train.run: MPI_Abort's leftovers removed, sentinels told after MPI_Finalize
     _refuse_too_few_ranks(cfg, ranks=transport.size)
     layout = prepare(cfg, transport=transport)
     _announce(cfg, transport=transport, layout=layout)  # the settings agree: one rank says them for the job
@@ -124,8 +126,7 @@ def _your_loop_config(settings: dict) -> RunConfig:
     """The run settings of ``init``'s keywords, refused with ValueError unless every one of them
     acts in your loop (``your_loop`` in the settings table): the model, data, optimizer, schedule,
     logging and checkpoints are your loop's own, and psgrad would silently ignore them."""
-    takes = [name for name, (_, meta) in settings_of(RunConfig).items() if meta.your_loop]
-    cfg = your_loop_config(settings, caller="psgrad.init", takes=takes)
+    cfg = your_loop_config(settings, caller="psgrad.init", takes=_takes())
     if cfg.topology not in TOPOLOGIES:
         raise ValueError(
             f"psgrad.init: topology must be one of {', '.join(TOPOLOGIES)} for your own loop, got {cfg.topology}"
@@ -133,6 +134,18 @@ def _your_loop_config(settings: dict) -> RunConfig:
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
     return cfg
+
+
+def _takes() -> list[str]:
+    """The settings ``init`` takes: ``your_loop`` in the settings table."""
+    return [name for name, (_, meta) in settings_of(RunConfig).items() if meta.your_loop]
+
+
+def init_settings(cfg: RunConfig) -> dict:
+    """The keywords of ``init`` that give ``cfg``'s exchange: each setting ``init`` takes that
+    ``cfg`` sets off its default (``psgrad bench --api optimizer`` trains a row's run so)."""
+    defaults = RunConfig()
+    return {name: getattr(cfg, name) for name in _takes() if getattr(cfg, name) != getattr(defaults, name)}
 
 
 def _refuse_too_few_ranks(cfg: RunConfig, *, ranks: int) -> None:

@@ -8,8 +8,10 @@ import sys
 from mpi4py import MPI
 
 from psgrad.comm import transport
+from psgrad.runtime import job_end_hooks
 
 world = transport.Transport()
+transport.on_job_end(**job_end_hooks())  # the abort removes MPI's files in /dev/shm, as psgrad's do
 for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, signal.SIG_IGN)
 MPI.COMM_WORLD.Barrier()  # MPI's own, blocking: the ranks leave it within microseconds of each other
