@@ -44,6 +44,20 @@ def run_dirs(given: list[Path]) -> list[Path]:
     return runs
 
 
+def rows_not_drawn(given: list[Path]) -> list[str]:
+    """The rows of a ``psgrad bench --log-dir`` among ``given`` that ``run_dirs`` leaves out: those
+    with a row.txt (or job.log) and no metrics.csv (DDP and compute-only rows, and rows through
+    your own loop, log no steps)."""
+    return [
+        inside.name
+        for folder in given
+        if not (folder / "metrics.csv").exists()
+        for inside in sorted(folder.iterdir() if folder.is_dir() else [])
+        if inside.is_dir() and not (inside / "metrics.csv").exists()
+        and ((inside / "row.txt").exists() or (inside / "job.log").exists())
+    ]  # fmt: skip
+
+
 def run_label(log_dir: Path) -> str:
     """The codec (with its feedback, and the down-link's codec) of the run's config.json and the
     folder's name, e.g. ``sign:bucket=32+ef, down qsgd:levels=16 (runs/a)``; a bench row's whole

@@ -359,7 +359,8 @@ def test_plot_says_what_is_wrong_with_a_log_dir_or_an_output_path(tmp_path):
 
 def test_plot_draws_every_row_a_bench_log_dir_holds(tmp_path):
     """``psgrad plot BENCH_LOG_DIR``: a folder without metrics.csv stands for the runs in it, each
-    labelled by its bench row (row.txt); a row that logs no steps (compute-only, DDP) is left out.
+    labelled by its bench row (row.txt); a row that logs no steps (compute-only, DDP) is left out
+    and named.
     It used to be "no metrics.csv" for the folder."""
     from click.testing import CliRunner
 
@@ -378,6 +379,8 @@ def test_plot_draws_every_row_a_bench_log_dir_holds(tmp_path):
     assert run_label(runs[1]) == "sign --feedback ef (02-r1-sign)"
     result = CliRunner().invoke(main, ["plot", str(bench), "-o", str(tmp_path / "out.png")])
     assert result.exit_code == 0 and (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG", result.output
+    # the row left out is named, not dropped without a word
+    assert "not drawn, no steps logged (DDP, compute-only and --api optimizer rows): 03-r1-compute" in result.output
     result = CliRunner().invoke(main, ["plot", str(bench / "03-r1-compute"), "-o", str(tmp_path / "c.png")])
     assert result.exit_code == 2 and "03-r1-compute: no metrics.csv" in result.output, result.output
 

@@ -167,8 +167,9 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     """Loss and test accuracy of runs (their --log-dir) against step, wall time and bytes sent.
 
     A folder without a metrics.csv stands for the runs in it: `psgrad plot runs/bench` draws
-    every row of a `psgrad bench --log-dir runs/bench` that trained, each labelled by its row."""
-    from ..plot import MetricsFileError, image_format_problem, matplotlib_problem, plot_runs
+    every row of a `psgrad bench --log-dir runs/bench` that trained, each labelled by its row,
+    and names the rows that logged no steps."""
+    from ..plot import MetricsFileError, image_format_problem, matplotlib_problem, plot_runs, rows_not_drawn
 
     if (problem := matplotlib_problem("psgrad plot")) is not None:
         raise click.ClickException(problem)
@@ -179,3 +180,7 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     except (FileNotFoundError, MetricsFileError) as err:
         raise click.UsageError(str(err)) from None
     click.echo(f"wrote {path}")
+    if skipped := rows_not_drawn([Path(d) for d in log_dirs]):
+        click.echo(
+            f"not drawn, no steps logged (DDP, compute-only and --api optimizer rows): {', '.join(skipped)}", err=True
+        )
