@@ -209,7 +209,7 @@ def _your_line(trace) -> tuple[str, bool]:
     """The script's line a traceback went through last (``train.py:42``: where your code was), and
     whether the code it ends in is psgrad's (a wait for the servers, say): of its frames, Python's
     own and the installed libraries' (torch's) are neither yours nor psgrad's."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     libraries = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
     # "<string>": code that Python generated (a dataclass's __init__), nobody's file
     frames = [(os.path.abspath(f.filename), f.lineno) for f in traceback.extract_tb(trace) if f.filename[:1] != "<"]
