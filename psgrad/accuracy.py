@@ -289,10 +289,21 @@ def measured(cfg: RunConfig) -> Measured | None:
     return next((m for m in measured_with_any_feedback(cfg) if m.feedback == cfg.feedback), None)
 
 
+def _down_link(cfg: RunConfig) -> str:
+    """The run's down-link codec as measured: a topology without servers replies dense."""
+    return cfg.down_codec if topology_of(cfg.topology).has_servers else "none"
+
+
+def is_dense(cfg: RunConfig) -> bool:
+    """Dense training, the reference every figure is a fraction of: no codec either way, a
+    gradient every step."""
+    return cfg.codec == "none" and _down_link(cfg) == "none" and not cfg.local_steps
+
+
 def measured_with_any_feedback(cfg: RunConfig) -> list[Measured]:
     """Every measurement of ``cfg``'s codec, down-link, topology and local steps, whatever
     feedback it ran with, in ``MEASURED``'s order (for a caller that does not set feedback)."""
-    down = cfg.down_codec if topology_of(cfg.topology).has_servers else "none"
+    down = _down_link(cfg)
     return [
         m
         for m in MEASURED
@@ -317,7 +328,7 @@ def accuracy_lines(cfg: RunConfig) -> list[str]:
     fractions of dense, and whether it trails), or one line saying it is dense or unmeasured."""
     found = {m.feedback: m for m in reversed(measured_with_any_feedback(cfg))}  # the first entry wins
     if not found:
-        if cfg.codec == "none" and cfg.down_codec == "none" and not cfg.local_steps:
+        if is_dense(cfg):
             return ["accuracy: dense, the reference the codecs' figures are fractions of"]
         return [
             'accuracy: psgrad never measured this combination (docs/benchmarks.md, "Which codec learns" and '
@@ -356,6 +367,11 @@ def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
     if found.failed:
         return f"{reached}, but {found.failed}: compare it with {dense} before relying on it"
     return f"{reached}: expect it to need more epochs than {dense}, and compare the two"
+
+
+def marked(fraction: float, *, trails: bool) -> str:
+    """A fraction of dense in a table's accuracy column: ``rounded_down``, and ``!`` when it trails."""
+    return rounded_down(fraction) + ("!" if trails else "")
 
 
 def rounded_down(value: float) -> str:

@@ -197,12 +197,12 @@ ACCURACY_LEGEND = (
 
 def _accuracy(spec: str) -> str:
     """The ``acc`` column (``ACCURACY_LEGEND``), rounded down: under the bar never reads as the bar."""
-    from ..accuracy import best_measured, rounded_down
+    from ..accuracy import best_measured, marked
 
     if spec == "none":
         return "1.00"
     best = best_measured(spec)
-    return "?" if best is None else rounded_down(best.lowest) + ("!" if best.trails else "")
+    return "?" if best is None else marked(best.lowest, trails=best.trails)
 
 
 def table(rows: list[CodecRow]) -> str:

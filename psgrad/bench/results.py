@@ -227,10 +227,10 @@ WIDE_LEGEND = {
 def _accuracy(r: BenchRow) -> str:
     """The ``acc`` column: rounded down (under the bar never reads as the bar), ``!`` when it
     trails dense, ``?`` never measured, ``-`` for compute-only, which learns nothing."""
-    from ..accuracy import rounded_down  # loads the codecs: not for the bench's --help
+    from ..accuracy import marked  # loads the codecs: not for the bench's --help
 
     if r.of_dense == r.of_dense:
-        return rounded_down(r.of_dense) + ("!" if r.trails else "")
+        return marked(r.of_dense, trails=r.trails)
     return "-" if r.codec.split()[0] == "compute" else "?"
 
 

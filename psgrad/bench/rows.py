@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
-from ..accuracy import measured
+from ..accuracy import is_dense, measured
 from ..config import RunConfig
 from ..config.refusals import refuse_unused
 from ..options import option_overrides
@@ -88,8 +88,7 @@ def measured_accuracy(item: str, cfg: RunConfig, *, powersgd_rank: int) -> dict:
         return {}
     if head == "ddp-powersgd":
         run = RunConfig(codec=f"powersgd:rank={powersgd_rank}", topology="colocated")
-    dense_down = run.down_codec == "none" or not topology_of(run.topology).has_servers
-    if head == "ddp" or (run.codec == "none" and dense_down and not run.local_steps):
+    if head == "ddp" or is_dense(run):
         return {"of_dense": 1.0}
     found = measured(run)
     if found is None:
