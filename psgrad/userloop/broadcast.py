@@ -55,22 +55,31 @@ def _unpack(value: Any) -> Any:
     return value
 
 
+def _send_to(value: Any, ranks: list[int]) -> None:
+    """``value`` to each of ``ranks``: its msgpack bytes' length, then the bytes, on ``TAG_USER``."""
+    w = world()
+    data = msgpack.packb(_pack(value), use_bin_type=True)
+    size = np.array([len(data)], dtype=np.int64).tobytes()
+    w.transport.wait_all([w.transport.isend(part, rank, TAG_USER) for rank in ranks for part in (size, data)])
+
+
+def _receive_from(rank: int) -> Any:
+    """The value ``rank`` sent with ``_send_to``."""
+    w = world()
+    head = w.transport.irecv(8, rank, TAG_USER).wait()
+    size = int(np.frombuffer(bytes(head.payload()), dtype=np.int64)[0])
+    body = w.transport.irecv(size, rank, TAG_USER).wait()
+    return _unpack(msgpack.unpackb(bytes(body.payload()), raw=False, strict_map_key=False))
+
+
 def _send_and_receive_first_worker(value: Any) -> list[Any] | None:
     """Every worker's ``value``, in worker order, on the first worker (None on the others)."""
     w = world()
-    workers, me = w.layout.worker_ranks, w.transport.rank
-    if me != workers[0]:
-        data = msgpack.packb(_pack(value), use_bin_type=True)
-        size = np.array([len(data)], dtype=np.int64).tobytes()
-        w.transport.wait_all([w.transport.isend(part, workers[0], TAG_USER) for part in (size, data)])
+    workers = w.layout.worker_ranks
+    if w.transport.rank != workers[0]:
+        _send_to(value, [workers[0]])
         return None
-    values = [value]
-    for rank in workers[1:]:
-        head = w.transport.irecv(8, rank, TAG_USER).wait()
-        size = int(np.frombuffer(bytes(head.payload()), dtype=np.int64)[0])
-        body = w.transport.irecv(size, rank, TAG_USER).wait()
-        values.append(_unpack(msgpack.unpackb(bytes(body.payload()), raw=False, strict_map_key=False)))
-    return values
+    return [value, *(_receive_from(rank) for rank in workers[1:])]
 
 
 def _mean(values: list[Any]) -> Any:
@@ -138,17 +147,11 @@ def average_buffers(model: torch.nn.Module) -> None:
 def _from_first_worker(value: Any) -> Any:
     """``value`` of the first worker, on every worker (the others' ``value`` is ignored)."""
     w = world()
-    workers, me = w.layout.worker_ranks, w.transport.rank
-    if me == workers[0]:
-        data = msgpack.packb(_pack(value), use_bin_type=True)
-        size = np.array([len(data)], dtype=np.int64).tobytes()
-        sends = [w.transport.isend(part, rank, TAG_USER) for rank in workers[1:] for part in (size, data)]
-        w.transport.wait_all(sends)
+    workers = w.layout.worker_ranks
+    if w.transport.rank == workers[0]:
+        _send_to(value, workers[1:])
         return value
-    head = w.transport.irecv(8, workers[0], TAG_USER).wait()
-    size = int(np.frombuffer(bytes(head.payload()), dtype=np.int64)[0])
-    body = w.transport.irecv(size, workers[0], TAG_USER).wait()
-    return _unpack(msgpack.unpackb(bytes(body.payload()), raw=False, strict_map_key=False))
+    return _receive_from(workers[0])
 
 
 def broadcast_parameters(state: Mapping[str, torch.Tensor]) -> None:
