@@ -425,6 +425,17 @@ def test_job_where_every_rank_waits_is_ended(topology):
     assert_removed(_segments_of(proc))
 
 
+@pytest.mark.parametrize("topology,worker,rank", FAILING)
+def test_a_slow_rank_is_named_and_the_job_goes_on(topology, worker, rank):
+    """One worker's loader takes 9 s over a batch (--timeout 5): the others wait for it. Rank 0 says
+    once which rank holds them up and what it is doing; the job is not ended, and trains to its end."""
+    proc = run_script("fault.py", "slow", topology, worker, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad watchdog]")]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert re.search(rf"busy meanwhile: rank {rank} \([^)]+\), last reported 'step 3: loading the batch", said[0]), said
+
+
 COLOCATED = {  # name: codec, and the options of both runs
     "none": ("none", []),
     "qsgd-topk-down": ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),

@@ -158,6 +158,23 @@ def test_a_stopped_worker_ends_the_job_naming_it(tmp_path, topology):
     assert "waiting for" in proc.stderr and "(timeout=5)" in proc.stderr  # what the others wait for, how long
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_worker_busy_in_your_loop_is_named_and_the_job_goes_on(tmp_path, topology):
+    """A worker sleeps 9 s in your loop at step 3 with timeout=5: the others wait for it. The
+    watchdog says once which rank holds them up and what it last reported, and does not end the
+    job: a rank still busy may yet finish (a stuck one used to hold the job without a word)."""
+    proc = run_script("userloop.py", str(tmp_path), "busy", topology, "none", n=RANKS[topology], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    busy = 2 if topology == "ps" else 1
+    said = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad watchdog]")]
+    assert len(said) == 1, proc.stderr[-3000:]
+    role = "worker" if topology == "ps" else "server+worker"
+    assert f"busy meanwhile: rank {busy} ({role}), last reported 'step 3: in your loop'" in said[0], said
+    waiting = [r for r in range(RANKS[topology]) if r != busy]
+    assert all(f"rank {r} (" in said[0].split("busy meanwhile")[0] for r in waiting), said
+    assert "(timeout=5)" in said[0]
+
+
 @pytest.mark.parametrize(
     "topology, stop, said, status",
     [

@@ -108,6 +108,6 @@ class SystemSettings:
         0.0,
         section=SYSTEM,
         low=0,
-        help="Seconds a rank may stay silent (stopped, dead, cut off), or every rank may wait, before the job ends naming the rank; 0: max(60, 10 x the slowest step so far).",
+        help="Seconds a rank may stay silent (stopped, dead, cut off), or every rank may wait, before the job ends naming the rank; 0: max(60, 10 x the slowest step so far). A wait this long for a rank that is busy ends nothing: rank 0 names the busy rank.",
         your_loop=True,
     )

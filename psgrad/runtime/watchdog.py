@@ -12,6 +12,9 @@ A helper thread on every rank, on its own duplicate communicator:
    waits for another, so none ever will progress (a rank computing, e.g. evaluating, is not waiting).
    A rank that said goodbye counts as waiting: it waits in ``stop`` for every other rank's goodbye,
    so the ranks still watched, rank 0 alone included, can only wait for one another.
+   When only some ranks have waited that long, rank 0 says once which ranks hold them up and what
+   those last reported (a DataLoader stuck on one rank, a long evaluation), and lets the job go on:
+   a busy rank may yet finish. It says so again only after the waits have ended.
 4. The timeout: ``--timeout`` seconds, or by default ``max(FLOOR, FACTOR x the slowest step seen
    on any rank)``, so a model whose steps take minutes is not cut off, and a hang on a fast model
    ends within about a minute.
@@ -89,6 +92,7 @@ class Watchdog:
         self.seen: dict[int, _Seen] = {}
         self.claim_dir = claim_dir
         self.sentinel: Sentinel | None = None
+        self._held_up_said = False  # rank 0 said which ranks hold the others up, and they still wait
 
     # ---------------------------------------------------------------- main thread
     def start(self) -> Watchdog:
@@ -216,6 +220,26 @@ class Watchdog:
                     f"every rank has been waiting for over {timeout:.0f} s{ended if done else ''}: none can progress.",
                     timeout,
                 )
+            self._say_who_holds_up(waits, timeout)
+
+    def _say_who_holds_up(self, waits: dict[int, float], timeout: float) -> None:
+        """Rank 0, once per stall (a rank has waited longer than the timeout): the ranks waiting,
+        and the ranks not waiting that they wait for, with what those last reported."""
+        if max(waits.values()) <= timeout:
+            self._held_up_said = False
+            return
+        busy = sorted(r for r, w in waits.items() if not w)
+        if self._held_up_said or not busy:  # none busy: every rank waits, and the abort above comes
+            return
+        self._held_up_said = True
+        doing = {0: self.report().doing, **{r: s.doing for r, s in self.seen.items()}}
+        waiters = ", ".join(f"rank {r} ({self.names(r)}) {w:.0f} s" for r, w in sorted(waits.items()) if w)
+        holders = "; ".join(f"rank {r} ({self.names(r)}), last reported {doing[r]!r}" for r in busy)
+        say(
+            f"[psgrad watchdog] a wait passed {timeout:.0f} s: {waiters} so far; busy meanwhile: {holders}. The job goes "
+            f"on: it ends only when every rank waits or a rank goes silent ({self.setting.format(timeout)}). "
+            "A rank busy for this long is slow, or stuck in its own code (a data loader, a lock)."
+        )
 
     def _abort(self, verdict: str, timeout: float) -> None:
         mine = self.report()

@@ -1,8 +1,9 @@
 """Under mpiexec: one worker fails at step 3, by exception, SIGKILL, SIGSTOP, or by waiting
 forever for a message nobody sends (hang: every rank ends up waiting); or (exit) it is SIGKILLed
-after training, on its way out, in a process that ends with its job as ``psgrad train``'s does.
+after training, on its way out, in a process that ends with its job as ``psgrad train``'s does;
+or (slow) its loader takes 9 s over that batch, and the job goes on.
 
-Arguments: how (raise, kill, stop, hang, exit), topology (ps, colocated), the failing worker's index (default
+Arguments: how (raise, kill, stop, hang, exit, slow), topology (ps, colocated), the failing worker's index (default
 1: rank 2 with ps on 3 ranks, rank 1 with colocated), mode (sync, async). The watchdog's timeout
 is 5 s, so a stopped rank must be named within seconds. Each rank first prints the MPI library's
 shared-memory files it maps (``segment PATH``): a job that ends so must not leave them behind."""
@@ -10,6 +11,7 @@ shared-memory files it maps (``segment PATH``): a job that ends so must not leav
 import os
 import signal
 import sys
+import time
 
 from psgrad.comm.transport import Transport, finalize, mpi_library, start_mpi
 from psgrad.config import RunConfig
@@ -40,7 +42,9 @@ class FaultyLoader:
         self.worker = worker
 
     def batch(self, step):
-        if self.worker == failing and step == 3 and how != "exit":
+        if self.worker == failing and step == 3 and how == "slow":
+            time.sleep(9)
+        elif self.worker == failing and step == 3 and how != "exit":
             if how in SIGNALS:
                 os.kill(os.getpid(), SIGNALS[how])
             if how == "hang":

@@ -26,7 +26,8 @@ and backward inside a bf16 autocast block (psgrad's coding must stay fp32), agai
 without autocast, from the same state. Scenario ``no_optimizer``: every worker exits after
 ``init`` without a ``DistributedOptimizer`` (the job must end, status 0); ``one_optimizer``: only
 the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
-(SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job. Scenario ``forever``
+(SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job; ``busy``: it sleeps 9 s in
+your loop instead (the job must go on, the watchdog naming it). Scenario ``forever``
 trains until the job is interrupted. Scenario ``average``: the workers' mean of values and of
 BatchNorm buffers; ``average_apart``: of values that differ in structure. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
@@ -40,6 +41,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -340,7 +342,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if scenario == "run":
         return psgrad_train(out, topology, codec, feedback)
-    warmup = {"dgc_warmup_epochs": 2} if scenario == "warmup" else {"timeout": 5} if scenario == "stall" else {}
+    warmup = (
+        {"dgc_warmup_epochs": 2} if scenario == "warmup" else {"timeout": 5} if scenario in ("stall", "busy") else {}
+    )
     psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **warmup)
     # only workers get here
     if scenario == "no_optimizer" or (scenario == "one_optimizer" and psgrad.worker_index() == 1):
@@ -365,10 +369,10 @@ def main() -> None:
         result = scenario_warmup(model, opt)
     elif scenario == "autocast":
         result = scenario_autocast(model, opt)
-    elif scenario == "stall":
+    elif scenario in ("stall", "busy"):
         for step in range(STEPS):
             if step == 3 and psgrad.worker_index() == 1:
-                os.kill(os.getpid(), signal.SIGSTOP)
+                os.kill(os.getpid(), signal.SIGSTOP) if scenario == "stall" else time.sleep(9)
             train(model, opt, [step])
         result = {}
     elif scenario == "average":
