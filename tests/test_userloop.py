@@ -203,6 +203,22 @@ def test_a_stopped_job_says_where_each_rank_stopped_and_ends_with_the_signals_st
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_stopped_job_ends_once_every_rank_ran_its_finally_blocks(tmp_path, topology):
+    """Ctrl-C while the first worker's ``finally`` takes 3 s to save: the job ends once it saved,
+    its line said. The ranks with nothing to do on the way (the serving rank, the other worker)
+    aborted the job after half a second and cut the save short."""
+    cmd = [mpiexec(), "-n", str(RANKS[topology]), sys.executable, str(SCRIPTS / "userloop.py"), str(tmp_path),
+           "forever_saving", topology, "none"]  # fmt: skip
+    trains = f"worker {RANKS[topology] - 2} trains"
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120)
+    err = (tmp_path / "err").read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert (tmp_path / "saved").exists(), err[-3000:]
+    said = re.findall(r"^\[psgrad rank (\d)\] interrupted at userloop\.py:\d+", err, re.MULTILINE)
+    assert sorted(int(rank) for rank in said) == list(range(RANKS[topology])), err[-3000:]
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
 def test_a_script_that_ends_without_training_ends_the_job(tmp_path, topology):
     """Workers that exit after init without a DistributedOptimizer (a script's own --help) end
     the job with status 0: the serving ranks waited for ever for the layer plan. When only the

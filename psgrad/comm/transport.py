@@ -228,6 +228,10 @@ class Transport(Channel):
     def barrier(self) -> None:
         self._wait_request(self.comm.Ibarrier())
 
+    def ibarrier(self) -> Handle:
+        """A barrier to test or wait for, or to give up on (``barrier`` waits for ever)."""
+        return self._handle(self.comm.Ibarrier(), b"", -1, -1, count=0)
+
     def broadcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """Broadcast a byte string (length first, then the bytes)."""
         size = np.array([len(data) if data is not None else 0], dtype=np.int64)

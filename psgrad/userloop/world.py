@@ -42,6 +42,7 @@ from ..codecs import make_codec
 from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together, on_job_end
+from ..comm.waiting import Backoff, Patience
 from ..config import RunConfig
 from ..config.refusals import your_loop_config
 from ..context import RunContext, one_worker_note, ranks_line
@@ -54,6 +55,7 @@ from ..settings import settings_of
 from ..startup import prepare
 
 ABORT_GRACE_SECONDS = 0.5
+STOP_GRACE_SECONDS = 30.0  # Slurm's default KillWait: SIGKILL follows its SIGTERM 30 s later
 """How long a failing rank waits between printing its error and aborting the job."""
 
 TOPOLOGIES = ("ps", "colocated")
@@ -74,6 +76,22 @@ class World:
     doing: Callable[[], str] = lambda: "in your loop, before its DistributedOptimizer"  # for the watchdog
     doing_in_psgrad: Callable[[], str] = lambda: ""  # the engine's last words, for a stop inside psgrad's code
     slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
+    stopping: Transport | None = None  # a communicator of its own, for the ranks' stop together
+
+    def stop_together(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
+        """After a stop by signal, before the abort: wait until every rank got here (each has run
+        your ``finally`` blocks on its way), or ``grace`` seconds, or a second Ctrl-C. The abort
+        ends every rank, so a rank that aborted at once cut the others' short: a serving rank,
+        which has none, ended a worker saving a checkpoint, and that worker's line unsaid."""
+        if self.stopping is None:
+            return
+        together, deadline = self.stopping.ibarrier(), time.monotonic() + grace
+        backoff = Backoff(Patience(spins=0, min_sleep=1e-3, max_sleep=0.05))
+        try:
+            while not together.test() and time.monotonic() < deadline:
+                backoff.idle()
+        except KeyboardInterrupt:
+            pass
 
     def watch(self) -> None:
         """Start the watchdog (collective: every rank, in ``init``)."""
@@ -115,6 +133,7 @@ def init(**settings) -> None:
     _announce(cfg, transport=transport, layout=layout)  # the settings agree: one rank says them for the job
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
+    _WORLD.stopping = transport.dup()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
     stop_signals_raise_from_now()  # SIGTERM as Ctrl-C: said by every rank, where the default dies without a word
     if not layout.is_worker(transport.rank):
@@ -195,6 +214,7 @@ def _end_job_on_error(previous):
             say(f"[psgrad rank {_WORLD.transport.rank}] {reason} at {line}, {doing}")
             if os.environ.get("PSGRAD_DEBUG"):
                 previous(kind, value, trace)
+            _WORLD.stop_together()
             ignore_further_stops()  # a second Ctrl-C must not cut the abort short
             _abort(reason, status=status)
             return

@@ -28,7 +28,8 @@ without autocast, from the same state. Scenario ``no_optimizer``: every worker e
 the first worker builds one (the job must end, naming both). Scenario ``stall``: the second worker stops itself
 (SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job; ``busy``: it sleeps 9 s in
 your loop instead (the job must go on, the watchdog naming it). Scenario ``forever``
-trains until the job is interrupted. Scenario ``average``: the workers' mean of values and of
+trains until the job is interrupted; ``forever_saving`` as well, and its first worker then takes
+3 s in a ``finally`` block to write OUT/saved. Scenario ``average``: the workers' mean of values and of
 BatchNorm buffers; ``average_apart``: of values that differ in structure. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
@@ -379,11 +380,16 @@ def main() -> None:
         result = scenario_average()
     elif scenario == "average_apart":  # the workers pass values of different structures
         result = psgrad.average({"loss" if psgrad.worker_index() == 0 else "acc": 1.0})
-    elif scenario == "forever":  # until Ctrl-C, saying when it has taken steps
-        for step in range(10**9):
-            train(model, opt, [step % STEPS])
-            if step == 3:
-                print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
+    elif scenario in ("forever", "forever_saving"):  # until Ctrl-C, saying when it has taken steps
+        try:
+            for step in range(10**9):
+                train(model, opt, [step % STEPS])
+                if step == 3:
+                    print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
+        finally:
+            if scenario == "forever_saving" and psgrad.worker_index() == 0:  # a slow save, on one worker
+                time.sleep(3)
+                (out / "saved").write_text("saved")
         result = {}
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
