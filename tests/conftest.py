@@ -65,12 +65,14 @@ def interrupt_when(
     env: dict | None = None,
     sig: int = signal.SIGINT,
     group: bool = True,
+    target=None,
 ) -> subprocess.CompletedProcess:
     """Start ``cmd`` in a process group of its own, poll ``ready(stderr so far)`` until it holds,
-    then send ``sig`` to the whole group (SIGINT: what Ctrl-C in a terminal does) or with ``group``
-    False to ``cmd``'s process alone (``kill PID``), and wait for the end; a command that never gets
-    ready or never ends fails the test at ``timeout``. Standard error goes through ``err_file`` so
-    it can be read while the command runs."""
+    then send ``sig`` to the whole group (SIGINT: what Ctrl-C in a terminal does), with ``group``
+    False to ``cmd``'s process alone (``kill PID``), or to the process ``target(stderr so far)``
+    names (one rank), and wait for the end; a command that never gets ready or never ends fails
+    the test at ``timeout``. Standard error goes through ``err_file`` so it can be read while the
+    command runs."""
     import time
 
     with open(err_file, "w") as err:
@@ -85,7 +87,9 @@ def interrupt_when(
                 pytest.fail(f"{' '.join(cmd)} ended or hung before it was ready:\n{err_file.read_text()[-3000:]}")
             time.sleep(0.1)
         segments = mpi_segments(descendants(proc.pid))
-        if group:
+        if target is not None:
+            os.kill(target(err_file.read_text()), sig)
+        elif group:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)

@@ -219,6 +219,28 @@ def test_a_stopped_job_ends_once_every_rank_ran_its_finally_blocks(tmp_path, top
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_rank_terminated_alone_stops_every_rank_as_it_was(tmp_path, topology):
+    """SIGTERM to one rank alone (a node's scheduler, ``kill PID``): it passes the stop on, so every
+    rank stops as if terminated itself (the first worker's ``finally`` saves), says so naming the
+    rank, and the job ends with status 143. Before, the others were ended by its abort mid-step."""
+    cmd = [mpiexec(), "-n", str(RANKS[topology]), sys.executable, str(SCRIPTS / "userloop.py"), str(tmp_path),
+           "forever_saving", topology, "none"]  # fmt: skip
+    last = RANKS[topology] - 1  # the last worker: not the one that saves
+
+    def last_rank(err: str) -> int:
+        return int(re.search(rf"\b{last}=[a-z+]+:(\d+)", err).group(1))
+
+    trains = f"worker {RANKS[topology] - 2} trains"
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120, sig=signal.SIGTERM,
+                          target=last_rank)  # fmt: skip
+    err = (tmp_path / "err").read_text()
+    assert proc.returncode == 143, err[-3000:]
+    assert (tmp_path / "saved").exists(), err[-3000:]
+    said = dict(re.findall(r"^\[psgrad rank (\d)\] terminated \(SIGTERM\)(.*?) at userloop", err, re.MULTILINE))
+    assert said == {str(r): "" if r == last else f" as rank {last} was," for r in range(RANKS[topology])}, err[-3000:]
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
 def test_a_script_that_ends_without_training_ends_the_job(tmp_path, topology):
     """Workers that exit after init without a DistributedOptimizer (a script's own --help) end
     the job with status 0: the serving ranks waited for ever for the layer plan. When only the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -42,7 +43,6 @@ from ..codecs import make_codec
 from ..comm.layout import RankLayout
 from ..comm.protocol import layer_tag, plan_layers
 from ..comm.transport import Transport, abort_if_running, finalize_and_exit, finalize_together, on_job_end
-from ..comm.waiting import Backoff, Patience
 from ..config import RunConfig
 from ..config.refusals import your_loop_config
 from ..context import RunContext, one_worker_note, ranks_line
@@ -53,9 +53,9 @@ from ..runtime.signals import ignore_further_stops, stop_reason, stop_signals_ra
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
+from .stopping import StopTogether
 
 ABORT_GRACE_SECONDS = 0.5
-STOP_GRACE_SECONDS = 30.0  # Slurm's default KillWait: SIGKILL follows its SIGTERM 30 s later
 """How long a failing rank waits between printing its error and aborting the job."""
 
 TOPOLOGIES = ("ps", "colocated")
@@ -76,22 +76,7 @@ class World:
     doing: Callable[[], str] = lambda: "in your loop, before its DistributedOptimizer"  # for the watchdog
     doing_in_psgrad: Callable[[], str] = lambda: ""  # the engine's last words, for a stop inside psgrad's code
     slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
-    stopping: Transport | None = None  # a communicator of its own, for the ranks' stop together
-
-    def stop_together(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
-        """After a stop by signal, before the abort: wait until every rank got here (each has run
-        your ``finally`` blocks on its way), or ``grace`` seconds, or a second Ctrl-C. The abort
-        ends every rank, so a rank that aborted at once cut the others' short: a serving rank,
-        which has none, ended a worker saving a checkpoint, and that worker's line unsaid."""
-        if self.stopping is None:
-            return
-        together, deadline = self.stopping.ibarrier(), time.monotonic() + grace
-        backoff = Backoff(Patience(spins=0, min_sleep=1e-3, max_sleep=0.05))
-        try:
-            while not together.test() and time.monotonic() < deadline:
-                backoff.idle()
-        except KeyboardInterrupt:
-            pass
+    stops: StopTogether | None = None  # the ranks' stop together after a signal
 
     def watch(self) -> None:
         """Start the watchdog (collective: every rank, in ``init``)."""
@@ -108,7 +93,10 @@ class World:
         return Report(self.doing(), self.slowest_step)
 
     def unwatch(self) -> None:
-        """Stop the watchdog (collective: every rank, as it leaves)."""
+        """Stop the watchdog, and listening for the others' stops (collective: every rank, as it leaves)."""
+        if self.stops is not None:
+            self.stops.close()
+            self.stops = None
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -133,9 +121,9 @@ def init(**settings) -> None:
     _announce(cfg, transport=transport, layout=layout)  # the settings agree: one rank says them for the job
     _WORLD = World(cfg=cfg, transport=transport, layout=layout)
     _WORLD.watch()
-    _WORLD.stopping = transport.dup()
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
     stop_signals_raise_from_now()  # SIGTERM as Ctrl-C: said by every rank, where the default dies without a word
+    _WORLD.stops = StopTogether(transport).start()  # after the handlers above: it notes their stops
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
     atexit.register(_shutdown_at_exit)
@@ -211,10 +199,13 @@ def _end_job_on_error(previous):
             reason, status = stop_reason(value)
             line, inside = _your_line(trace)
             doing = (_WORLD.doing_in_psgrad() if inside else "") or _WORLD.doing()
-            say(f"[psgrad rank {_WORLD.transport.rank}] {reason} at {line}, {doing}")
+            stops = _WORLD.stops
+            passed = f" as rank {stops.passed_from} was," if stops and stops.passed_from is not None else ""
+            say(f"[psgrad rank {_WORLD.transport.rank}] {reason}{passed} at {line}, {doing}")
             if os.environ.get("PSGRAD_DEBUG"):
                 previous(kind, value, trace)
-            _WORLD.stop_together()
+            if stops is not None:
+                stops.stop(getattr(value, "signum", signal.SIGINT))
             ignore_further_stops()  # a second Ctrl-C must not cut the abort short
             _abort(reason, status=status)
             return

@@ -1,0 +1,101 @@
+"""Your loop's job stops together: a rank stopped by a signal (Ctrl-C, SIGTERM) passes the signal
+on to every other rank, and the job ends once every rank has run its ``finally`` blocks.
+
+1. ``StopTogether.start`` (collective, in ``init``): a communicator of its own, a receive posted
+   from every other rank, and a helper thread that tests them every 50 ms. psgrad's own handlers
+   of SIGINT and SIGTERM are wrapped to note that this rank is stopping.
+2. ``stop``, from the exception hook once the rank's ``finally`` blocks ran: it sends the signal's
+   number to every other rank, then waits in a barrier.
+3. A rank that hears of a stop, and is not stopping a second later, gets the same signal in its
+   main thread: it stops as the first did (its ``finally`` blocks run, it says where and from which rank
+   the stop came) and comes to the barrier too. A rank that got the signal itself is stopping
+   already: the first notice is sent only after a rank's ``finally`` blocks, and a second signal
+   there would cut them short.
+4. The barrier's wait ends once every rank is in it, after ``grace`` seconds at most (a rank stuck
+   in its ``finally`` blocks, or one whose own handler kept it going), or at a second Ctrl-C; the
+   rank then aborts the job. Before, a rank with nothing to do on its way (a serving rank) aborted
+   the job at once, and cut the others' ``finally`` blocks short: a worker's checkpoint save.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from ..comm.transport import Transport
+from ..comm.waiting import Backoff, Patience
+from ..runtime.signals import STOP_SIGNALS
+
+GRACE_SECONDS = 30.0  # Slurm's default KillWait: its SIGKILL follows the SIGTERM 30 s later
+_TAG = 9
+_POLL_SECONDS = 0.05
+_OWN_SIGNAL_FIRST_SECONDS = 1.0
+
+
+class StopTogether:
+    """One per rank of your loop's job; ``passed_from`` is the rank whose stop this rank heard."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.comm = transport.dup()
+        self.rank, self.size = transport.rank, transport.size
+        self.stopping = False
+        self.passed_from: int | None = None
+        peers = [r for r in range(self.size) if r != self.rank]
+        self._notices = [self.comm.irecv(8, source=r, tag=_TAG) for r in peers]
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="psgrad-stop", daemon=True)
+
+    def start(self) -> StopTogether:
+        """Note this rank's own stops (main thread: after ``init`` set its handlers), and listen."""
+        for sig in (signal.SIGINT, *STOP_SIGNALS) if threading.current_thread() is threading.main_thread() else ():
+            handler = signal.getsignal(sig)
+            if handler is signal.default_int_handler or getattr(handler, "__module__", "").startswith("psgrad."):
+                signal.signal(sig, self._noting(handler))
+        if self._notices:
+            self._thread.start()
+        return self
+
+    def _noting(self, handler):
+        def noted(signum: int, frame) -> None:
+            self.stopping = True
+            handler(signum, frame)
+
+        return noted
+
+    def _listen(self) -> None:
+        heard = None  # the first notice: (rank, signal, when)
+        while not self._done.wait(_POLL_SECONDS):
+            for i in self.comm.test_some(self._notices):
+                notice = self._notices[i]
+                heard = heard or (notice.peer, int.from_bytes(notice.payload(), "little"), time.monotonic())
+            # a Ctrl-C reached every rank at once, but a rank inside a long torch call runs its
+            # handler only after it: given a moment, it stops by its own signal, not one passed on
+            if heard and not self.stopping and time.monotonic() - heard[2] >= _OWN_SIGNAL_FIRST_SECONDS:
+                self.stopping, self.passed_from = True, heard[0]
+                signal.pthread_kill(threading.main_thread().ident, heard[1])
+
+    def stop(self, signum: int, *, grace: float = GRACE_SECONDS) -> None:
+        """Tell every other rank of this rank's stop by ``signum`` (unless it heard of it from one),
+        then wait until every rank got here, ``grace`` seconds at most, or a second Ctrl-C."""
+        self.stopping = True
+        sends = []  # kept to the end: an MPI send's buffer must outlive it
+        if self.passed_from is None:
+            notice = signum.to_bytes(8, "little")
+            sends = [self.comm.isend(notice, r, _TAG) for r in range(self.size) if r != self.rank]
+        together, deadline = self.comm.ibarrier(), time.monotonic() + grace
+        backoff = Backoff(Patience(spins=0, min_sleep=1e-3, max_sleep=_POLL_SECONDS))
+        try:
+            while not together.test() and time.monotonic() < deadline:
+                backoff.idle()
+        except KeyboardInterrupt:
+            pass
+        del sends
+
+    def close(self) -> None:
+        """At a clean end (collective with the others' ``close``): stop listening."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for handle in self._notices:
+            handle.cancel()
