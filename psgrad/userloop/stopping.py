@@ -93,7 +93,7 @@ class StopTogether:
         del sends
 
     def close(self) -> None:
-        """At a clean end (collective with the others' ``close``): stop listening."""
+        """At a clean end, before MPI is left: stop listening (the thread ends, the receives are cancelled)."""
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
