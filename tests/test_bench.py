@@ -663,15 +663,23 @@ def test_a_row_through_your_own_loop_is_a_row_option_of_its_own():
         run_in_mpi(RunConfig(), [row], steps=1, warmup=0, repeat=1)
 
 
-def test_a_row_through_your_own_loop_measures_what_psgrad_train_sends(tmp_path):
+@pytest.mark.parametrize(
+    "row, steps",
+    [
+        ("powersgd:rank=8 --topology colocated", "3"),
+        ("qsgd:levels=16 --feedback ef --topology colocated --local-steps 2", "4"),  # 2 exchanges measured
+    ],
+)
+def test_a_row_through_your_own_loop_measures_what_psgrad_train_sends(tmp_path, row, steps):
     """The documented own-loop rows (docs/benchmarks.md, "Your own loop") run: the row's exchange
     reaches psgrad.init and nothing else of the run (its model and steps are the loop's; init
     refused them, and every such row failed), each row sends as many bytes as psgrad train's
-    (the same layers, the same codec), and no sentinel blames a rank at the job's clean end (the
-    own loop's ranks left MPI without their goodbye)."""
+    (the same layers, the same codec; with local steps, read after the step that exchanged: they
+    read 0), and no sentinel blames a rank at the job's clean end (the own loop's ranks left MPI
+    without their goodbye)."""
     out, logs = tmp_path / "bench.json", tmp_path / "logs"
-    rows = "powersgd:rank=8 --topology colocated;powersgd:rank=8 --topology colocated --api optimizer"
-    proc = _launcher([*SMALL, "--steps", "3", "--warmup-steps", "1", "--baselines", "", "--codecs", rows,
+    rows = f"{row};{row} --api optimizer"
+    proc = _launcher([*SMALL, "--steps", steps, "--warmup-steps", "1", "--baselines", "", "--codecs", rows,
                       "--json", str(out), "--log-dir", str(logs)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     train, own = json.loads(out.read_text())

@@ -241,12 +241,3 @@ def test_the_servers_apply_the_outer_optimizer_and_the_workers_their_own():
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert isinstance(inner_optimizer(cfg, params), torch.optim.AdamW)
     assert isinstance(inner_optimizer(cfg, params, lambda p: torch.optim.Adagrad(p)), torch.optim.Adagrad)
-
-
-def test_your_own_loop_says_where_local_steps_run():
-    import psgrad
-
-    with pytest.raises(
-        ValueError, match=r"local_steps is a setting of psgrad's own loop \(psgrad train, or psgrad.train.run"
-    ):
-        psgrad.init(local_steps=4)

@@ -92,6 +92,24 @@ def test_your_loop_equals_psgrads_own_loop_bit_for_bit(tmp_path, topology, codec
         assert result["run"] == 0.0, result
 
 
+@pytest.mark.parametrize(
+    "topology, codec",
+    [
+        ("ps", ["none"]),
+        ("colocated", ["qsgd:levels=16", "ef"]),  # coded changes inside error feedback
+    ],
+)
+def test_local_steps_in_your_loop_equal_psgrads_own_loop_and_resume_exactly(tmp_path, topology, codec):
+    """``psgrad.init(local_steps=4)``: your SGD steps on each worker's own gradient, and every 4th
+    step the workers' mean change takes the outer Nesterov step. psgrad train's servers take that
+    step on their values; your loop's workers take it on theta_sync: the same parameters. A
+    checkpoint between two exchanges resumes exactly."""
+    proc = run_script("userloop.py", str(tmp_path), "run_local", topology, *codec, n=RANKS[topology], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for result in _results(tmp_path, "against_run_local", topology, *codec):
+        assert result["run"] == 0.0 and result["resumed"] == 0.0, result
+
+
 def test_accumulated_half_batches_equal_the_whole_batch(tmp_path):
     for result in _results(tmp_path, "accumulate", "colocated", "none"):
         assert result["reference"] < 1e-6, result
@@ -300,6 +318,9 @@ def test_two_ranks_under_ps_are_told_they_train_on_one_worker(tmp_path, topology
         ({"dgc_momentum": 0.5}, "--dgc-momentum is DGC's: it means nothing without --feedback dgc"),
         ({"topology": "ring"}, "topology must be one of ps, colocated"),
         ({"mode": "async"}, "mode must be sync"),
+        ({"local_steps": 4, "down_codec": "qsgd:levels=16"}, "local_steps needs down_codec='none' in your loop"),
+        ({"local_steps": 4, "overlap_exchange": True}, "overlap_exchange is a setting of psgrad's own loop"),
+        ({"outer_lr": 0.5}, "--outer-lr shapes --local-steps: give --local-steps H"),
         ({"learning_rate": 0.1}, "unknown setting"),
         ({"codecs": "qsgd"}, "unknown setting(s) codecs (did you mean codec?)"),
     ],

@@ -6,7 +6,8 @@ torch loop with ``psgrad.DistributedOptimizer``, so its rate pairs with ``psgrad
    ``shards.shard_loader``, ``--memory-format``), and torch's SGD with the run's lr, momentum,
    Nesterov and weight decay (no schedule: the rate does not depend on it).
 3. Per step: zero_grad, forward, loss, backward, ``step()``; each worker keeps a row per step
-   (the wall clock, its loss, the bytes it sent and received); after the steps, the bytes become
+   (the wall clock, its loss, the bytes it sent and received: with ``--local-steps``, on the
+   exchanges' steps only, as ``psgrad train`` counts them); after the steps, the bytes become
    every worker's (``psgrad.average`` times the workers), as ``psgrad train`` counts them.
 4. The row's traffic ends (``shutdown(leave_mpi=False)``): the job's end leaves MPI.
 """
@@ -47,12 +48,11 @@ def own_loop_rows(cfg: RunConfig, *, steps: int) -> list[dict] | None:
         images, labels = loader.batch(step)
         loss = F.cross_entropy(model(in_layout(images, fmt)), labels)
         loss.backward()
-        opt.synchronize()
-        stats = asdict(opt.worker.stats)
         opt.step()
         end = time.perf_counter()
         rows.append(
-            stats | {"step": step, "loss": float(loss.detach()), "wall": end - started, "step_time": end - begin}
+            asdict(opt.last_stats)
+            | {"step": step, "loss": float(loss.detach()), "wall": end - started, "step_time": end - begin}
         )
     # the bytes of every worker, as psgrad train counts them: colocated, the layers a rank serves
     # itself never cross a link, and a small model's shards can be far apart (one MLP rank sent 3 KB

@@ -138,7 +138,8 @@ class TrainingSettings:
         0,
         section=TRAINING,
         low=0,
-        help="Local steps H (DiLoCo): each worker takes H steps with its own optimizer (--inner-optimizer, --lr and its schedule), then pushes the change of its parameters since the last exchange through the codec; the servers average it and apply the outer optimizer (--outer-optimizer). A step is still one batch. 0: off, a gradient every step.",
+        help="Local steps H (DiLoCo): each worker takes H steps with its own optimizer (--inner-optimizer, --lr and its schedule; in your own loop, yours), then pushes the change of its parameters since the last exchange through the codec; the servers average it and apply the outer optimizer (--outer-optimizer). A step is still one batch. 0: off, a gradient every step.",
+        your_loop=True,
     )
     inner_optimizer: str = setting(
         "sgd",
@@ -153,6 +154,7 @@ class TrainingSettings:
         choices=("nesterov", "sgd"),
         unused=(_local_steps_only("--outer-optimizer"),),
         help="The servers' optimizer of the averaged parameter change (--local-steps): SGD with Nesterov momentum (DiLoCo's), or plain SGD with momentum.",
+        your_loop=True,
     )
     outer_lr: float = setting(
         0.7,
@@ -161,6 +163,7 @@ class TrainingSettings:
         low_open=True,
         unused=(_local_steps_only("--outer-lr"),),
         help="The outer optimizer's learning rate (--local-steps; DiLoCo: 0.7). 1 with --outer-momentum 0: the average of the workers' parameters.",
+        your_loop=True,
     )
     outer_momentum: float = setting(
         0.5,
@@ -170,6 +173,7 @@ class TrainingSettings:
         high_open=True,
         unused=(_local_steps_only("--outer-momentum"),),
         help="The outer optimizer's momentum (--local-steps). 0.5 learned as well as dense on both datasets measured at 32 local steps, where DiLoCo's 0.9 trailed (docs/benchmarks.md, \"Slow links\").",
+        your_loop=True,
     )
     overlap_exchange: bool = setting(
         False,

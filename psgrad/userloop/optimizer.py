@@ -36,6 +36,7 @@ from ..engine.serving import SyncServer
 from ..engine.worker import Worker
 from ..metrics import say
 from .broadcast import broadcast_parameters
+from .local import OuterSteps
 from .world import World, context, layer_plan, world
 
 
@@ -68,6 +69,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.calls = dict.fromkeys(self.params, 0)  # backward hook calls this step, per parameter
         self.posted = self.synchronized = self.skipping = False
         self.step_index = 0
+        self.last_stats = StepStats(step=0)
         # before the worker's own hooks (torch runs a parameter's hooks in the order registered):
         # they read backprop.pushing, which the counting hook sets for the last pass
         self._hooks = [p.register_post_accumulate_grad_hook(self._count(n)) for n, p in self.params.items()]
@@ -94,6 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._world, self._stepped = w, time.monotonic()
         w.doing, w.doing_in_psgrad = self._doing, self._doing_in_psgrad
         broadcast_parameters(model.state_dict())  # every worker starts from the first worker's model
+        self.local = OuterSteps(w.cfg, self.params, layers) if w.cfg.local_steps else None
 
     # ------------------------------------------------------------------ what torch sees
     @property
@@ -117,9 +120,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the step
     def synchronize(self) -> None:
-        """Wait until every layer's mean gradient is in ``.grad`` (idempotent within a step)."""
-        if self.synchronized:
+        """Wait until every layer's mean gradient is in ``.grad`` (idempotent within a step).
+        With ``local_steps`` it does nothing: your optimizer steps on this worker's own gradient."""
+        if self.synchronized or self.local is not None:
+            self.synchronized = True
             return
+        self._exchange()
+
+    def _exchange(self) -> None:
+        """Push the layers no hook pushed, answer a multi-round codec's rounds, and take every
+        layer's reply (``_take_mean``)."""
         worker = self.worker
         self._post()
         worker.backprop.pushing = True
@@ -148,7 +158,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self.synchronize()
         result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self._next_step()
+        if self.local is None or self.local.exchanges_now():
+            if self.local is not None:  # this worker's change since the last exchange goes out
+                self.local.changes_into_grad()
+                self._exchange()
+                self.local.outer_step()
+            self.last_stats = self.worker.stats  # what the step sent and waited for (psgrad bench)
+            self._next_step()
+        else:
+            self.last_stats = StepStats(step=self.step_index)  # nothing sent
+            self._next_local_step()
         now = time.monotonic()  # the watchdog's default timeout grows with the slowest step
         self._world.slowest_step, self._stepped = max(self._world.slowest_step, now - self._stepped), now
         return result
@@ -189,6 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "feedback": self.worker.feedback.state_dict(),
                 "server": self.server.state_dict() if self.server is not None else {},
                 "server_memory": downmemory.fetch(**self._memory_exchange()) if self.memory_servers else {},
+                **({"local": self.local.state_dict()} if self.local is not None else {}),
             },
         }
 
@@ -212,6 +232,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.server.load_state_dict(ours["server"])
         if self.memory_servers and "server_memory" in ours:  # a state_dict of an older psgrad has none
             downmemory.restore(ours["server_memory"], **self._memory_exchange())
+        if (self.local is None) != ("local" not in ours):
+            raise ValueError(
+                "this state_dict was saved with local_steps " + ("off" if self.local is not None else "on")
+                + f", and this job has local_steps={self._world.cfg.local_steps}: load it with the same local_steps"
+            )  # fmt: skip
+        if self.local is not None:
+            self.local.load_state_dict(ours["local"])
         self.step_index = self.worker.step = int(ours["step"])
         self.worker.stats = StepStats(step=self.step_index)
 
@@ -245,14 +272,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         def hook(param: torch.Tensor) -> None:
             if self.synchronized:  # the last step ended without step(): GradScaler skipped it
-                self._next_step()
+                self._next_step() if self.local is None else self._next_local_step()
             self.calls[name] += 1
             if self.calls[name] > self.passes:
                 raise RuntimeError(
                     f"a backward pass more than backward_passes_per_step={self.passes} before step(): "
                     "call step() after each, or raise backward_passes_per_step"
                 )
-            pushing = self.calls[name] == self.passes
+            pushing = self.calls[name] == self.passes and self.local is None  # local steps: step() sends
             self.worker.backprop.pushing = pushing
             if pushing:
                 self._post()
@@ -271,6 +298,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _take_mean(self, layer: Layer, flat: torch.Tensor, applied: bool) -> None:
         """A layer's mean gradient into its parameters' ``.grad`` (NaN where a worker's gradient
         was not finite and ``on_nonfinite`` is ``skip``: GradScaler then skips the step)."""
+        if self.local is not None:
+            self.local.take_mean(layer, flat if applied else None)
+            return
         offset = 0
         for name in layer.params:
             param = self.params[name]
@@ -282,6 +312,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 param.grad = part.to(param.dtype).clone()
             else:
                 param.grad.copy_(part)
+
+    def _next_local_step(self) -> None:
+        """With ``local_steps``, between exchanges: the wire's step stays, the backward count restarts."""
+        self.calls = dict.fromkeys(self.params, 0)
+        self.synchronized = False
 
     def _next_step(self) -> None:
         self.step_index += 1

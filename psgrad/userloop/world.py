@@ -140,6 +140,12 @@ def _your_loop_config(settings: dict) -> RunConfig:
         )
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
+    if cfg.local_steps and cfg.down_codec != "none":
+        raise ValueError(
+            "psgrad.init: local_steps needs down_codec='none' in your loop: its servers reply with the workers' mean "
+            "change and each worker takes the outer step, so a down_codec would code that change, not the outer "
+            "update that psgrad train codes (docs/api.md); use psgrad train for a coded down-link"
+        )
     return cfg
 
 
@@ -176,10 +182,14 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
         return
     say(f"[psgrad] {ranks_line([layout.role_name(r) for r in range(len(pids))], pids)}")
     down = f", down-codec {make_codec(cfg.down_codec).spec}" if cfg.down_codec != "none" else ""
+    local = (
+        f", an exchange every {cfg.local_steps} steps (outer {cfg.outer_optimizer}, lr {cfg.outer_lr:g}, momentum "
+        f"{cfg.outer_momentum:g})" if cfg.local_steps else ""
+    )  # fmt: skip
     say(
         f"[psgrad] psgrad.init: {len(pids)} rank{'s' * (len(pids) != 1)} ({len(layout.server_ranks)} serving, "
         f"{layout.num_workers} working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, "
-        f"feedback {cfg.feedback}{down}"
+        f"feedback {cfg.feedback}{down}{local}"
     )
     for note in (accuracy_note(cfg, dense="codec='none'"), one_worker_note(cfg, layout, ranks=len(pids),
                                                                           colocated="topology='colocated'")):  # fmt: skip

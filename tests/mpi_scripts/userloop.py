@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import psgrad
 
 STEPS, CUT, BATCH = 12, 5, 8
+LOCAL_STEPS = 4  # an exchange every 4th step: 3 in STEPS
 
 
 def make_model() -> nn.Module:
@@ -311,13 +312,16 @@ class Batches:
         return batch(self.worker, step)
 
 
-def psgrad_train(out: Path, topology: str, codec: str, feedback: str) -> None:
+def psgrad_train(out: Path, topology: str, codec: str, feedback: str, local_steps: int = 0) -> None:
     """Scenario ``run``: the same training through psgrad's own loop (``psgrad.train.run``), the
-    servers applying the same SGD; each rank saves its parameters in OUT/run<rank>.pt."""
+    servers applying the same SGD (``run_local``: the workers, between the servers' outer steps);
+    each rank saves its parameters in OUT/run<rank>.pt."""
     from psgrad.config import RunConfig
     from psgrad.train import run
 
-    cfg = RunConfig(topology=topology, codec=codec, feedback=feedback, lr=0.1, steps=STEPS, progress=False)
+    cfg = RunConfig(
+        topology=topology, codec=codec, feedback=feedback, lr=0.1, steps=STEPS, progress=False, local_steps=local_steps
+    )
     result = run(
         cfg,
         model_fn=make_model,
@@ -336,17 +340,36 @@ def scenario_against_run(model: nn.Module, opt, out: Path) -> dict:
     return {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
 
 
+def scenario_against_run_local(model: nn.Module, opt, out: Path) -> dict:
+    """Local steps in your loop against ``psgrad train --local-steps`` (scenario ``run_local``):
+    the same changes, the same sums, the same outer steps; and a checkpoint taken between two
+    exchanges resumes them exactly (theta_sync, the outer momentum, the steps since)."""
+    train(model, opt, range(CUT))
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
+    train(model, opt, range(CUT, STEPS))
+    first = [p.detach().clone() for p in model.parameters()]
+    theirs = torch.load(out / f"run{psgrad.rank()}.pt", weights_only=True)
+    result = {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, range(CUT, STEPS))
+    result["resumed"] = max(float((a - p.detach()).abs().max()) for a, p in zip(first, model.parameters(), strict=True))
+    return result
+
+
 def main() -> None:
     out, scenario, topology, codec = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     feedback = sys.argv[5] if len(sys.argv) > 5 else "none"
     down = sys.argv[6] if len(sys.argv) > 6 else "none"
     out.mkdir(parents=True, exist_ok=True)
-    if scenario == "run":
-        return psgrad_train(out, topology, codec, feedback)
-    warmup = (
+    if scenario in ("run", "run_local"):
+        return psgrad_train(out, topology, codec, feedback, local_steps=LOCAL_STEPS if scenario == "run_local" else 0)
+    settings = (
         {"dgc_warmup_epochs": 2} if scenario == "warmup" else {"timeout": 5} if scenario in ("stall", "busy") else {}
     )
-    psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **warmup)
+    if scenario == "against_run_local":
+        settings = {"local_steps": LOCAL_STEPS}
+    psgrad.init(topology=topology, codec=codec, feedback=feedback, down_codec=down, **settings)
     # only workers get here
     if scenario == "no_optimizer" or (scenario == "one_optimizer" and psgrad.worker_index() == 1):
         sys.exit(0)  # a script that ends after init without training (its own --help, a dry run)
@@ -358,6 +381,8 @@ def main() -> None:
         result = scenario_train(model, opt)
     elif scenario == "against_run":
         result = scenario_against_run(model, opt, out)
+    elif scenario == "against_run_local":
+        result = scenario_against_run_local(model, opt, out)
     elif scenario == "hook":
         result = scenario_hook(model, opt, codec, feedback)
     elif scenario == "accumulate":
