@@ -103,11 +103,12 @@ def test_local_steps_in_your_loop_equal_psgrads_own_loop_and_resume_exactly(tmp_
     """``psgrad.init(local_steps=4)``: your SGD steps on each worker's own gradient, and every 4th
     step the workers' mean change takes the outer Nesterov step. psgrad train's servers take that
     step on their values; your loop's workers take it on theta_sync: the same parameters. A
-    checkpoint between two exchanges resumes exactly."""
+    checkpoint between two exchanges resumes exactly; a per-step one is refused."""
     proc = run_script("userloop.py", str(tmp_path), "run_local", topology, *codec, n=RANKS[topology], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for result in _results(tmp_path, "against_run_local", topology, *codec):
         assert result["run"] == 0.0 and result["resumed"] == 0.0, result
+        assert "saved with local_steps off, and this job has local_steps=4" in result["per_step_state"], result
 
 
 def test_accumulated_half_batches_equal_the_whole_batch(tmp_path):

@@ -11,6 +11,8 @@ Per step, on each worker:
    keep what it drops for later steps) or exact.
 3. ``step()``: ``synchronize()`` (unless inside ``skip_synchronize()``), then your optimizer's
    own ``step``. Clip, unscale (``GradScaler.unscale_``) or log between 2 and 3.
+With ``local_steps`` (``psgrad.init``) backward pushes nothing and ``synchronize()`` does nothing:
+every H-th ``step()`` exchanges the change since the last exchange instead (``userloop.local``).
 
 Why a wrapper that is a ``torch.optim.Optimizer`` (as Horovod's is), not a model wrapper: the
 step is where a loop waits for the mean gradient, and LR schedulers and ``GradScaler`` take an
@@ -226,17 +228,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"this state_dict was saved by rank {saved[0]} of {saved[1]}, and this is rank {here[0]} of "
                 f"{here[1]}: load each rank's own (e.g. ckpt-{{psgrad.rank()}}.pt), in a job of as many ranks"
             )
+        if (self.local is None) != ("local" not in ours):
+            raise ValueError(
+                "this state_dict was saved with local_steps " + ("off" if self.local is not None else "on")
+                + f", and this job has local_steps={self._world.cfg.local_steps}: load it with the same local_steps"
+            )  # fmt: skip
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.worker.feedback.load_state_dict(ours["feedback"])
         if self.server is not None:
             self.server.load_state_dict(ours["server"])
         if self.memory_servers and "server_memory" in ours:  # a state_dict of an older psgrad has none
             downmemory.restore(ours["server_memory"], **self._memory_exchange())
-        if (self.local is None) != ("local" not in ours):
-            raise ValueError(
-                "this state_dict was saved with local_steps " + ("off" if self.local is not None else "on")
-                + f", and this job has local_steps={self._world.cfg.local_steps}: load it with the same local_steps"
-            )  # fmt: skip
         if self.local is not None:
             self.local.load_state_dict(ours["local"])
         self.step_index = self.worker.step = int(ours["step"])
