@@ -241,3 +241,16 @@ def test_the_servers_apply_the_outer_optimizer_and_the_workers_their_own():
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert isinstance(inner_optimizer(cfg, params), torch.optim.AdamW)
     assert isinstance(inner_optimizer(cfg, params, lambda p: torch.optim.Adagrad(p)), torch.optim.Adagrad)
+
+
+def test_your_loops_coded_mean_change_is_said_to_be_unmeasured():
+    """Your loop's local steps code the mean change where psgrad train codes the outer update:
+    psgrad's accuracy figures are of the latter, and the start-up note must not borrow them."""
+    from psgrad.userloop.local import coded_change_note
+
+    assert coded_change_note(RunConfig(local_steps=32, codec="qsgd:levels=16", feedback="ef")) is None
+    assert coded_change_note(RunConfig(codec="qsgd:levels=16", down_codec="qsgd:levels=64")) is None
+    note = coded_change_note(
+        RunConfig(local_steps=32, codec="qsgd:levels=16", feedback="ef", down_codec="qsgd:levels=64")
+    )
+    assert note is not None and "only that was measured for accuracy" in note and "down_codec='none'" in note

@@ -12,7 +12,10 @@ Per ``step()`` of a worker:
 On the wire an exchange is numbered k, as in ``psgrad train``: the servers count exchanges.
 Where ``psgrad train``'s servers apply the outer optimizer and reply with the values, here they
 reply with the mean change and each worker applies it: the same sum, the same update (tested
-equal to ``psgrad train --local-steps`` step for step), and your loop needs no model on a server.
+equal to ``psgrad train --local-steps`` step for step with an exact down-link), and your loop
+needs no model on a server. A ``down_codec`` codes that mean change (inside the servers' error
+feedback) where ``psgrad train`` codes the outer update, as INTELLECT-1 quantized the averaged
+pseudo-gradient: psgrad measured the accuracy of its own variant only, and says so at start-up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ import torch
 from ..comm.protocol import Layer, copy_flat_into
 from ..config import RunConfig
 from ..optim import LayerOptimizer
+
+
+def coded_change_note(cfg: RunConfig) -> str | None:
+    """The start-up note of local steps with a coded down-link in your loop (None otherwise):
+    psgrad's accuracy figures are of ``psgrad train``'s coded update, not of this coded change."""
+    if not cfg.local_steps or cfg.down_codec == "none":
+        return None
+    return (
+        "note: with local_steps your loop's down_codec codes the workers' mean change, and each worker takes "
+        "the outer step on it; psgrad train codes the outer update instead, and only that was measured for "
+        "accuracy (docs/benchmarks.md, \"Slow links\"): compare a run with down_codec='none' before relying on it"
+    )
 
 
 class OuterSteps:

@@ -53,6 +53,7 @@ from ..runtime.signals import ignore_further_stops, stop_reason, stop_signals_ra
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
+from .local import coded_change_note
 from .stopping import StopTogether
 
 ABORT_GRACE_SECONDS = 0.5
@@ -140,12 +141,6 @@ def _your_loop_config(settings: dict) -> RunConfig:
         )
     if cfg.mode != "sync":
         raise ValueError("psgrad.init: your optimizer steps on the mean of every worker's gradient: mode must be sync")
-    if cfg.local_steps and cfg.down_codec != "none":
-        raise ValueError(
-            "psgrad.init: local_steps needs down_codec='none' in your loop: its servers reply with the workers' mean "
-            "change and each worker takes the outer step, so a down_codec would code that change, not the outer "
-            "update that psgrad train codes (docs/api.md); use psgrad train for a coded down-link"
-        )
     return cfg
 
 
@@ -191,8 +186,8 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
         f"{layout.num_workers} working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, "
         f"feedback {cfg.feedback}{down}{local}"
     )
-    for note in (accuracy_note(cfg, dense="codec='none'"), one_worker_note(cfg, layout, ranks=len(pids),
-                                                                          colocated="topology='colocated'")):  # fmt: skip
+    accuracy = coded_change_note(cfg) or accuracy_note(cfg, dense="codec='none'")
+    for note in (accuracy, one_worker_note(cfg, layout, ranks=len(pids), colocated="topology='colocated'")):
         if note is not None:
             say(f"[psgrad] {note}")
 

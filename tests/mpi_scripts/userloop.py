@@ -350,6 +350,8 @@ def scenario_against_run_local(model: nn.Module, opt, out: Path) -> dict:
     first = [p.detach().clone() for p in model.parameters()]
     theirs = torch.load(out / f"run{psgrad.rank()}.pt", weights_only=True)
     result = {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    result["apart"] = float((flat - psgrad.average(flat)).abs().max())  # the workers' parameters agree
     per_step = copy.deepcopy(saved["opt"])
     del per_step["psgrad"]["local"]  # what a DistributedOptimizer without local steps saves
     result["per_step_state"] = raised(lambda: opt.load_state_dict(per_step))
