@@ -554,6 +554,9 @@ def test_a_codec_table_shows_the_best_accuracy_psgrad_measured_with_each_codec()
     assert codecbench.ACCURACY_LEGEND.startswith("acc: the best test accuracy")
 
 
+_LOCAL_CODED = "qsgd:levels=16 --feedback ef --down-codec qsgd:levels=64 --topology colocated --local-steps 32"
+
+
 @pytest.mark.parametrize(
     "item, acc",
     [
@@ -566,6 +569,8 @@ def test_a_codec_table_shows_the_best_accuracy_psgrad_measured_with_each_codec()
         ("qsgd:levels=4", "?"),  # never measured
         ("none --topology colocated --local-steps 5", "?"),  # local steps nothing measured are not dense
         ("ddp-powersgd", "0.98!"),  # judged by psgrad's powersgd:rank=2
+        (f"{_LOCAL_CODED} --api optimizer", "?"),  # your loop codes the mean change: never measured
+        (_LOCAL_CODED, "0.99"),  # psgrad train codes the outer update: 0.992 proxy, 1.006 digits
     ],
 )
 def test_each_bench_row_shows_the_accuracy_psgrad_measured(item, acc):

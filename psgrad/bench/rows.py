@@ -82,9 +82,12 @@ def measured_accuracy(item: str, cfg: RunConfig, *, powersgd_rank: int) -> dict:
     ``BenchRow``'s fields: ``of_dense``, the lowest of its fractions of dense over the datasets
     it was measured on, and ``trails``. Dense training (DDP's too) is 1 by definition; DDP's
     PowerSGD hook is judged by psgrad's PowerSGD of its rank (the two matched where both were
-    measured); compute-only learns nothing and a combination never measured has no figure."""
+    measured); compute-only learns nothing and a combination never measured has no figure, as
+    your loop's local steps with a coded down-link have none (psgrad train codes another thing)."""
+    from ..userloop.local import coded_change_note  # your loop's, loaded only here
+
     head, run = item_config(item, cfg)
-    if head == "compute":
+    if head == "compute" or (item_api(item)[1] == "optimizer" and coded_change_note(run) is not None):
         return {}
     if head == "ddp-powersgd":
         run = RunConfig(codec=f"powersgd:rank={powersgd_rank}", topology="colocated")
