@@ -258,7 +258,7 @@ ROOT = DOCS.parent
 # what the product's text may not say of itself: the history lives in git
 _HISTORY = re.compile(r"\bsessions?\b(?! *=)|\bissue #?\d+|\bissues? #\d+|#\d+\b(?!\])|\bitem \d+\b", re.IGNORECASE)
 _DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b")
-BENCHMARKS_BUDGET = 420
+BENCHMARKS_BUDGET = 430
 
 
 def _product_text() -> list[Path]:
