@@ -153,7 +153,7 @@ class TrainingSettings:
         section=TRAINING,
         choices=("nesterov", "sgd"),
         unused=(_local_steps_only("--outer-optimizer"),),
-        help="The servers' optimizer of the averaged parameter change (--local-steps): SGD with Nesterov momentum (DiLoCo's), or plain SGD with momentum.",
+        help="The optimizer of the averaged parameter change (--local-steps; the servers apply it, in your own loop every worker): SGD with Nesterov momentum (DiLoCo's), or plain SGD with momentum.",
         your_loop=True,
     )
     outer_lr: float = setting(
