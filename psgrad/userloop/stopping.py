@@ -1,9 +1,9 @@
 """Your loop's job stops together: a rank stopped by a signal (Ctrl-C, SIGTERM) passes the signal
 on to every other rank, and the job ends once every rank has run its ``finally`` blocks.
 
-1. ``StopTogether.start`` (collective, in ``init``): a communicator of its own, a receive posted
-   from every other rank, and a helper thread that tests them every 50 ms. psgrad's own handlers
-   of SIGINT and SIGTERM are wrapped to note that this rank is stopping.
+1. ``StopTogether(transport)`` (collective, in ``init``): a communicator of its own and a receive
+   posted from every other rank; ``start``: a helper thread that tests them every 50 ms, and
+   psgrad's own handlers of SIGINT and SIGTERM wrapped to note that this rank is stopping.
 2. ``stop``, from the exception hook once the rank's ``finally`` blocks ran: it sends the signal's
    number to every other rank, then waits in a barrier.
 3. A rank that hears of a stop, and is not stopping a second later, gets the same signal in its
