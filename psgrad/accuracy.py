@@ -261,16 +261,18 @@ MEASURED = (
 )  # fmt: skip
 
 
-def local_key(cfg: RunConfig) -> str:
-    """What sets one run with ``--local-steps`` apart from another for accuracy ("" without)."""
+def local_key(cfg: RunConfig, *, inner: bool = True) -> str:
+    """What sets one run with ``--local-steps`` apart from another for accuracy ("" without);
+    without ``inner``, all but the inner optimizer (your loop's is its own)."""
     if not cfg.local_steps:
         return ""
     overlap = f", {cfg.fragments} fragments" if cfg.fragments > 1 else ""
     overlap += ", overlapped" if cfg.overlap_exchange else ""
     if cfg.overlap_exchange and cfg.overlap_steps not in (0, cfg.local_steps):
         overlap += f" by {cfg.overlap_steps} steps"
+    inner_optimizer = f", inner {cfg.inner_optimizer}" if inner else ""
     return (
-        f"H={cfg.local_steps}, inner {cfg.inner_optimizer}, outer {cfg.outer_optimizer} "
+        f"H={cfg.local_steps}{inner_optimizer}, outer {cfg.outer_optimizer} "
         f"lr {cfg.outer_lr:g} momentum {cfg.outer_momentum:g}{overlap}"
     )
 
@@ -345,15 +347,19 @@ def accuracy_lines(cfg: RunConfig) -> list[str]:
     return lines
 
 
-def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
+def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none", your_loop: bool = False) -> str | None:
     """One sentence when ``cfg``'s combination trailed dense on either dataset, else None;
-    ``dense`` is how the caller's users ask for dense training (``codec='none'`` in a script)."""
+    ``dense`` is how the caller's users ask for dense training (``codec='none'`` in a script).
+    ``your_loop``: local steps are ``init``'s keyword, and their inner optimizer is the script's,
+    where every figure was measured with psgrad train's inner SGD."""
     found = measured(cfg)
+    local_steps = "local_steps" if your_loop else "--local-steps"
+    inner_sgd = ", measured with psgrad train's inner SGD" if your_loop and cfg.local_steps else ""
     if found is None and cfg.local_steps:
         return (
-            f"note: --local-steps with these settings ({local_key(cfg)}, codec {cfg.codec}) was never measured "
-            'for accuracy; docs/benchmarks.md, "Slow links", has the settings that were: compare with a run '
-            "without --local-steps"
+            f"note: {local_steps} with these settings ({local_key(cfg, inner=not your_loop)}, codec {cfg.codec}) was "
+            'never measured for accuracy; docs/benchmarks.md, "Slow links", has the settings that were: compare with '
+            f"a run without {local_steps}"
         )
     if found is None or not found.trails:
         return None
@@ -362,7 +368,7 @@ def accuracy_note(cfg: RunConfig, *, dense: str = "--codec none") -> str | None:
     what = "these local steps and codec" if found.local else "this combination of codec, feedback and down-link"
     reached = (
         f"note: {what} reached {rounded_down(found.of_dense)}x dense test "
-        f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}"
+        f"accuracy at equal epochs on the accuracy proxy ({found.setting}; {found.where}){held_out}{inner_sgd}"
     )
     if found.failed:
         return f"{reached}, but {found.failed}: compare it with {dense} before relying on it"

@@ -142,3 +142,15 @@ def test_local_steps_are_measured_apart_from_the_per_step_codecs():
     assert "was never measured" in accuracy_note(replace(streamed, fragments=2))
     unmeasured = accuracy_note(RunConfig(local_steps=16, codec="qsgd:levels=16"))
     assert unmeasured is not None and "was never measured" in unmeasured
+
+
+def test_your_loops_note_speaks_of_inits_keyword_and_not_of_its_inner_optimizer():
+    """In your loop the inner optimizer is the script's: the note does not name psgrad's, and says
+    the figures were measured with it; local steps are init's keyword, not the command line's flag."""
+    unmeasured = accuracy_note(RunConfig(local_steps=16, codec="qsgd:levels=16"), your_loop=True)
+    assert "local_steps with these settings (H=16, outer nesterov" in unmeasured and "inner" not in unmeasured
+    assert "--local-steps" not in unmeasured and unmeasured.endswith("a run without local_steps")
+    trailing = accuracy_note(RunConfig(codec="powersgd:rank=8", topology="colocated", local_steps=32), your_loop=True)
+    assert "reached 0.95x" in trailing and "measured with psgrad train's inner SGD" in trailing
+    per_step = accuracy_note(RunConfig(codec="topk:ratio=0.1", feedback="ef"), your_loop=True)
+    assert per_step is not None and "inner SGD" not in per_step

@@ -186,7 +186,7 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
         f"{layout.num_workers} working), topology {cfg.topology}, codec {make_codec(cfg.codec).spec}, "
         f"feedback {cfg.feedback}{down}{local}"
     )
-    accuracy = coded_change_note(cfg) or accuracy_note(cfg, dense="codec='none'")
+    accuracy = coded_change_note(cfg) or accuracy_note(cfg, dense="codec='none'", your_loop=True)
     for note in (accuracy, one_worker_note(cfg, layout, ranks=len(pids), colocated="topology='colocated'")):
         if note is not None:
             say(f"[psgrad] {note}")
