@@ -105,14 +105,15 @@ def test_local_steps_in_your_loop_equal_psgrads_own_loop_and_resume_exactly(tmp_
     step the workers' mean change takes the outer Nesterov step. psgrad train's servers take that
     step on their values; your loop's workers take it on theta_sync: the same parameters with an
     exact down-link, nearly the same with a coded one (it codes the change, psgrad train the
-    update), the workers alike either way. A checkpoint between two exchanges resumes exactly; a
-    per-step one is refused."""
+    update), the workers alike either way. After an exchange, ``.grad`` holds the worker's gradient
+    (a gradient-norm log after step() sees no spike). A checkpoint between two exchanges resumes
+    exactly; a per-step one is refused."""
     proc = run_script("userloop.py", str(tmp_path), "run_local", topology, *codec[:2], n=RANKS[topology], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     coded = len(codec) > 2
     for result in _results(tmp_path, "against_run_local", topology, *codec):
         assert (0.0 < result["run"] < 0.05) if coded else result["run"] == 0.0, result
-        assert result["apart"] == 0.0 and result["resumed"] == 0.0, result
+        assert result["apart"] == 0.0 and result["resumed"] == 0.0 and result["grad_changed"] == 0.0, result
         assert "saved with local_steps off, and this job has local_steps=4" in result["per_step_state"], result
 
 

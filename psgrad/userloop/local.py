@@ -5,7 +5,8 @@ Per ``step()`` of a worker:
 1. Your optimizer steps on this worker's gradient; nothing is sent (backward pushes nothing).
 2. Every H-th step, after 1: each layer's pseudo-gradient delta = theta_sync - theta goes into
    ``.grad`` and through the exchange your per-step loop uses for gradients (feedback, codec, the
-   layer's server), which replies with the workers' mean delta, exact or ``down_codec``-coded.
+   layer's server), which replies with the workers' mean delta, exact or ``down_codec``-coded;
+   your backward's gradient goes back into ``.grad`` after step 3.
 3. Every worker applies the outer optimizer (``outer_optimizer``, ``outer_lr``,
    ``outer_momentum``: ``engine.local``'s) to theta_sync with that mean, the same update on the
    same values on every worker, and every worker's parameters become the new theta_sync.
@@ -48,6 +49,7 @@ class OuterSteps:
         self.outer = LayerOptimizer.from_config(cfg)
         self.inner_steps = 0  # steps since the last exchange
         self.means: dict[int, torch.Tensor] = {}  # the exchange's replies: each layer's mean change
+        self.held: dict[str, torch.Tensor | None] = {}  # your gradients, while delta is in .grad
         self.synced = self._flat()  # theta_sync, per layer: every worker starts from the first's values
 
     def _flat(self) -> dict[int, torch.Tensor]:
@@ -63,7 +65,9 @@ class OuterSteps:
         return self.inner_steps == self.every
 
     def changes_into_grad(self) -> None:
-        """Step 2: delta = theta_sync - theta of every parameter into its ``.grad``."""
+        """Step 2: delta = theta_sync - theta of every parameter into its ``.grad``; the gradient
+        your backward left there comes back with the outer step (``outer_step``)."""
+        self.held = {name: param.grad for name, param in self.params.items()}
         with torch.no_grad():
             for layer in self.layers:
                 offset = 0
@@ -86,6 +90,9 @@ class OuterSteps:
                 if mean is not None:
                     self.outer.step(layer.name, point, mean, self.outer_lr)
                 copy_flat_into(self.params, layer.params, point)
+        for name, grad in self.held.items():  # a gradient-norm log after step() sees your gradient, not delta
+            self.params[name].grad = grad
+        self.held = {}
         self.inner_steps = 0
 
     def state_dict(self) -> dict:

@@ -335,18 +335,31 @@ def scenario_against_run(model: nn.Module, opt, out: Path) -> dict:
     return {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
 
 
+def step_changing_grad(model: nn.Module, opt, step: int) -> float:
+    """Step ``step`` of ``train``: how far ``.grad`` after ``step()`` is from what backward left."""
+    opt.zero_grad()
+    images, labels = batch(psgrad.worker_index(), step)
+    F.cross_entropy(model(images), labels).backward()
+    backward = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return max(float((g - p.grad).abs().max()) for g, p in zip(backward, model.parameters(), strict=True))
+
+
 def scenario_against_run_local(model: nn.Module, opt, out: Path) -> dict:
     """Local steps in your loop against ``psgrad train --local-steps`` (scenario ``run_local``):
-    the same changes, the same sums, the same outer steps; and a checkpoint taken between two
-    exchanges resumes them exactly (theta_sync, the outer momentum, the steps since)."""
+    the same changes, the same sums, the same outer steps; ``.grad`` after an exchange is the
+    gradient backward left; and a checkpoint taken between two exchanges resumes them exactly
+    (theta_sync, the outer momentum, the steps since)."""
     train(model, opt, range(CUT))
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
-    train(model, opt, range(CUT, STEPS))
+    train(model, opt, range(CUT, STEPS - 1))
+    grad_changed = step_changing_grad(model, opt, STEPS - 1)  # an exchange step (STEPS is a multiple of H)
     first = [p.detach().clone() for p in model.parameters()]
     theirs = torch.load(out / f"run{psgrad.rank()}.pt", weights_only=True)
     result = {"run": max(float((p.detach() - theirs[name]).abs().max()) for name, p in model.named_parameters())}
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     result["apart"] = float((flat - psgrad.average(flat)).abs().max())  # the workers' parameters agree
+    result["grad_changed"] = grad_changed
     per_step = copy.deepcopy(saved["opt"])
     del per_step["psgrad"]["local"]  # what a DistributedOptimizer without local steps saves
     result["per_step_state"] = raised(lambda: opt.load_state_dict(per_step))
