@@ -550,18 +550,19 @@ def test_killed_at_random_moments_the_newest_complete_checkpoint_resumes_bit_exa
 
 
 @pytest.mark.parametrize(
-    "signal_name,group,said,status",
-    [("SIGINT", True, "interrupted", 130), ("SIGTERM", True, "terminated (SIGTERM)", 143),
-     ("SIGTERM", False, "terminated (SIGTERM)", 143)],
+    "signal_name,to,said,status",
+    [("SIGINT", "group", "interrupted", 130), ("SIGTERM", "group", "terminated (SIGTERM)", 143),
+     ("SIGTERM", "mpiexec", "terminated (SIGTERM)", 143), ("SIGTERM", "rank 2", "terminated (SIGTERM)", 143)],
 )  # fmt: skip
 def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resume(
-    tmp_path, signal_name, group, said, status
+    tmp_path, signal_name, to, said, status
 ):
     """Ctrl-C in the terminal of ``mpiexec … psgrad train`` (SIGINT to mpiexec and the ranks), or
-    SIGTERM to them all (a scheduler's cancel) or to mpiexec alone (``kill``, which it forwards):
-    each rank says what stopped it and what it was doing, rank 0 names the newest complete
-    checkpoint and the --resume that continues it, and the job exits as a shell reports the signal
-    (130, 143), without a traceback or a sentinel blaming a rank as killed or crashed."""
+    SIGTERM to them all (a scheduler's cancel), to mpiexec alone (``kill``, which it forwards) or
+    to one worker alone: each rank stopped says what stopped it and what it was doing, one rank
+    (the one stopped alone, too) names the newest complete checkpoint and the --resume that
+    continues it, and the job exits as a shell reports the signal (130, 143), without a traceback
+    or a sentinel blaming a rank as killed or crashed."""
     import signal
 
     from psgrad import checkpoint
@@ -586,9 +587,15 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
             return False
 
     cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "psgrad", "train", *args]
-    proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name), group=group)
+
+    def rank_2(err: str) -> int:
+        return int(re.search(r"\b2=[a-z+]+:(\d+)", err).group(1))
+
+    proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name), group=to == "group",
+                          target=rank_2 if to == "rank 2" else None)  # fmt: skip
     assert proc.returncode == status, proc.stderr[-3000:]
     assert proc.stderr.count(f"{said} while") >= 1, proc.stderr[-3000:]
+    assert to != "rank 2" or f"[psgrad rank 2] {said} while" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "[psgrad sentinel]" not in proc.stderr, proc.stderr[-3000:]
     newest = checkpoint.resolve(log)
     hint = f"the newest complete checkpoint is {newest}: continue the run with --resume {log}"

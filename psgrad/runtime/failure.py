@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
@@ -44,13 +45,14 @@ def end_on_failure(
 
     1. A simulated rank stopped by another's failure, and a disagreement (said once by one rank),
        end quietly.
-    2. Ctrl-C or SIGTERM: one line (where it stopped), rank 0 the checkpoint that resumes the
-       run, further stops ignored, and the job aborted with the shell's status for the signal.
-    3. Any other error: one line; a full disk adds the resume hint, and an error other than an
-       expected stop (``EXPECTED_STOPS``, whose one line says what to do) or a peer's failure
-       (``PeerFailure``: the other rank's own line says why) its traceback, which
-       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with ``exit_status(err)``, the abort
-       claimed unless a dead peer's sentinel names it.
+    2. Ctrl-C or SIGTERM: one line (where it stopped), further stops ignored, and the job
+       aborted with the shell's status for the signal; the rank that claims the abort first (the
+       one stopped, when a rank is stopped alone) names the checkpoint that resumes the run.
+    3. Any other error: one line; a full disk adds the resume hint (said as in 2), and an error
+       other than an expected stop (``EXPECTED_STOPS``, whose one line says what to do) or a
+       peer's failure (``PeerFailure``: the other rank's own line says why) its traceback, which
+       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with ``exit_status(err)``, the
+       abort claimed unless a dead peer's sentinel names it.
     """
     if getattr(err, "reported_elsewhere", False):
         return
@@ -60,36 +62,46 @@ def end_on_failure(
     if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
         reason, status = stop_reason(err)
         say(f"[psgrad rank {transport.rank}] {reason} while {doing}")
-        _say_resume_hint(transport.rank, log_dir)
         if transport.size > 1:
             ignore_further_stops()
-        _end_job(transport, watchdog, reason, status)
+        _end_job(transport, watchdog, reason, status, first_says=lambda: _say_resume_hint(log_dir))
         return
     say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}")
-    if _disk_full(err):  # the system's words say it all; what to resume from once there is room
-        _say_resume_hint(transport.rank, log_dir)
-    elif not isinstance(err, (*EXPECTED_STOPS, PeerFailure)) or os.environ.get("PSGRAD_DEBUG"):
+    full = _disk_full(err)  # the system's words say it all; what to resume from once there is room
+    if not full and (not isinstance(err, (*EXPECTED_STOPS, PeerFailure)) or os.environ.get("PSGRAD_DEBUG")):
         traceback.print_exc(file=sys.stderr)
     # a dead peer's sentinel names it, not this rank
     claim = None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}"
-    _end_job(transport, watchdog, claim, exit_status(err))
+    hint = (lambda: _say_resume_hint(log_dir)) if full else None
+    _end_job(transport, watchdog, claim, exit_status(err), first_says=hint)
 
 
-def _say_resume_hint(rank: int, log_dir: str | None) -> None:
-    """Rank 0 names the checkpoint that continues the run (``checkpoint.resume_hint``)."""
-    if rank == 0 and (hint := checkpoint.resume_hint(log_dir)) is not None:
+def _say_resume_hint(log_dir: str | None) -> None:
+    """The checkpoint that continues the run (``checkpoint.resume_hint``)."""
+    if (hint := checkpoint.resume_hint(log_dir)) is not None:
         say(f"[psgrad] {hint}")
 
 
-def _end_job(transport: Channel, watchdog: Watchdog, claim: str | None, status: int) -> None:
+def _end_job(
+    transport: Channel,
+    watchdog: Watchdog,
+    claim: str | None,
+    status: int,
+    *,
+    first_says: Callable[[], None] | None = None,
+) -> None:
     """With other ranks: claim the abort (unless ``claim`` is None), then abort the job with
     ``status`` whatever the claim does (a claim that failed on a full disk once skipped the abort,
-    and the other ranks waited for the watchdog)."""
+    and the other ranks waited for the watchdog). ``first_says`` speaks once for the job: on the
+    rank that claimed first (a rank stopped alone, not only rank 0), or rank 0 without claims."""
     if transport.size < 2:
+        if first_says is not None:
+            first_says()
         return
     try:
-        if claim is not None:
-            watchdog.claim(claim)
+        first = watchdog.claim(claim) if claim is not None else None
+        if first_says is not None and (first if first is not None else transport.rank == 0):
+            first_says()
     finally:
         transport.abort(status)
 

@@ -222,12 +222,14 @@ class Sentinel:
         else:
             self._tell(_BYE)
 
-    def claim(self, reason: str) -> None:
+    def claim(self, reason: str) -> bool:
         """This rank ends the job on purpose: take the claim so no sentinel blames its victims
-        (the sentinel removes the claim file a little later)."""
-        if self.claim_path is not None and claim(self.claim_path, f"rank {self.rank}: {reason}\n"):
+        (the sentinel removes the claim file a little later). True if this rank claimed first."""
+        first = self.claim_path is not None and claim(self.claim_path, f"rank {self.rank}: {reason}\n")
+        if first:
             record_failure(self.record, rank=self.rank, role=self.role, step=self.step, how="aborted", reason=reason)
         self._tell(_ABORT)
+        return first
 
 
 def _watch(pid: str, job: Sequence[str] = ()) -> None:

@@ -114,10 +114,10 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def claim(self, reason: str) -> None:
-        """This rank is about to abort the job: its victims' sentinels must not blame them."""
-        if self.sentinel is not None:
-            self.sentinel.claim(reason)
+    def claim(self, reason: str) -> bool | None:
+        """This rank is about to abort the job: its victims' sentinels must not blame them.
+        Whether this rank claimed before any other; None without a sentinel (one process)."""
+        return None if self.sentinel is None else self.sentinel.claim(reason)
 
     def at_step(self, step: int) -> None:
         """This rank starts training step ``step``: its sentinel keeps it for a failure record."""
