@@ -339,6 +339,17 @@ def test_failing_worker_ends_the_job_naming_it(how, topology, worker, rank):
     assert_removed(_segments_of(proc))
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_the_same_error_on_every_worker_prints_one_traceback(topology):
+    """Every worker's loader raises at the same step: each may say its one line, the traceback
+    comes once, from the rank that ended the job (it came from every worker, one after another)."""
+    proc = run_script("fault.py", "raise_all", topology, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+    assert "ValueError: injected failure in the data loader" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"\[psgrad rank \d\] ValueError while .*: injected failure", proc.stderr), proc.stderr[-3000:]
+
+
 def _segments_of(proc) -> set[str]:
     """The MPI shared-memory files fault.py's ranks said they map (the job must not leave them)."""
     found = set(re.findall(r"^segment (\S+)$", proc.stdout, re.MULTILINE))

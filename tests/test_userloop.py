@@ -266,6 +266,16 @@ def test_a_rank_terminated_alone_stops_every_rank_as_it_was(tmp_path, topology):
 
 
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_the_same_error_on_every_worker_prints_one_traceback(tmp_path, topology):
+    """Each worker says the error in one line; the traceback comes once, from the worker that
+    ended the job (it came from every worker, one after another)."""
+    proc = run_script("userloop.py", str(tmp_path), "raise_all", topology, "none", n=RANKS[topology], timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+    assert "ValueError: the same error on every worker" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
 def test_a_script_that_ends_without_training_ends_the_job(tmp_path, topology):
     """Workers that exit after init without a DistributedOptimizer (a script's own --help) end
     the job with status 0: the serving ranks waited for ever for the layer plan. When only the

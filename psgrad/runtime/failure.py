@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from ..comm.waiting import PeerFailure
 from ..metrics import say
 from .exits import CHECKPOINT, FAILED, NONFINITE
 from .signals import ignore_further_stops, stop_reason
+
+SECOND_ABORT_DELAY = 1.0  # seconds
 
 EXPECTED_STOPS = (checkpoint.CheckpointError, NonFiniteError)
 """Errors whose one line says what happened and what to do (a checkpoint that does not fit, a
@@ -50,9 +53,11 @@ def end_on_failure(
        one stopped, when a rank is stopped alone) names the checkpoint that resumes the run.
     3. Any other error: one line; a full disk adds the resume hint (said as in 2), and an error
        other than an expected stop (``EXPECTED_STOPS``, whose one line says what to do) or a
-       peer's failure (``PeerFailure``: the other rank's own line says why) its traceback, which
-       ``PSGRAD_DEBUG=1`` shows for those too; the job is aborted with ``exit_status(err)``, the
-       abort claimed unless a dead peer's sentinel names it.
+       peer's failure (``PeerFailure``: the other rank's own line says why) its traceback, on
+       the rank that claims the abort first (every rank's, and those too, with
+       ``PSGRAD_DEBUG=1``); the job is aborted with ``exit_status(err)``, the abort claimed unless
+       a dead peer's sentinel names it. A rank that claims after another waits
+       ``SECOND_ABORT_DELAY`` before its abort, which could cut the first one's words short.
     """
     if getattr(err, "reported_elsewhere", False):
         return
@@ -68,12 +73,20 @@ def end_on_failure(
         return
     say(f"[psgrad rank {transport.rank}] {type(err).__name__} while {doing}: {err}")
     full = _disk_full(err)  # the system's words say it all; what to resume from once there is room
-    if not full and (not isinstance(err, (*EXPECTED_STOPS, PeerFailure)) or os.environ.get("PSGRAD_DEBUG")):
-        traceback.print_exc(file=sys.stderr)
+    traced = not full and not isinstance(err, (*EXPECTED_STOPS, PeerFailure))
+    debug = bool(os.environ.get("PSGRAD_DEBUG"))
+    if debug and not full:
+        traceback.print_exception(err, file=sys.stderr)
+
+    def first_says() -> None:  # one traceback a job: the same error on every worker buried itself
+        if traced and not debug:
+            traceback.print_exception(err, file=sys.stderr)
+        if full:
+            _say_resume_hint(log_dir)
+
     # a dead peer's sentinel names it, not this rank
     claim = None if isinstance(err, PeerFailure) else f"{type(err).__name__}: {err}"
-    hint = (lambda: _say_resume_hint(log_dir)) if full else None
-    _end_job(transport, watchdog, claim, exit_status(err), first_says=hint)
+    _end_job(transport, watchdog, claim, exit_status(err), first_says=first_says)
 
 
 def _say_resume_hint(log_dir: str | None) -> None:
@@ -102,6 +115,8 @@ def _end_job(
         first = watchdog.claim(claim) if claim is not None else None
         if first_says is not None and (first if first is not None else transport.rank == 0):
             first_says()
+        elif first is False:  # the first rank's words go out before this rank's abort can cut them short
+            time.sleep(SECOND_ABORT_DELAY)
     finally:
         transport.abort(status)
 

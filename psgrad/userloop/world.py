@@ -194,10 +194,12 @@ def _announce(cfg: RunConfig, *, transport: Transport, layout: RankLayout) -> No
 
 def _end_job_on_error(previous):
     """An uncaught exception on a worker ends the whole job once it is printed: the servers and
-    the other workers would otherwise wait for this worker's gradients for ever. Ctrl-C (or
-    SIGTERM, ``Terminated``) is said in one line, where the script stopped and what psgrad was
-    doing, as ``psgrad train`` says it: a traceback into psgrad's waits on every rank would bury
-    it (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the signal."""
+    the other workers would otherwise wait for this worker's gradients for ever. Its line comes
+    from each rank, its traceback from the first to fail (every rank's with ``PSGRAD_DEBUG=1``).
+    Ctrl-C (or SIGTERM, ``Terminated``) is said in one line, where the script stopped and what
+    psgrad was doing, as ``psgrad train`` says it: a traceback into psgrad's waits on every rank
+    would bury it (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the
+    signal."""
 
     def hook(kind, value, trace) -> None:
         if isinstance(value, KeyboardInterrupt):
@@ -215,8 +217,11 @@ def _end_job_on_error(previous):
             _abort(reason, status=status)
             return
         _say(value)
-        previous(kind, value, trace)
-        _abort(f"{type(value).__name__}: {value}")
+        why = f"{type(value).__name__}: {value}"
+        first = _claim(why)  # one traceback a job: the same error on every worker buried itself
+        if first is not False or os.environ.get("PSGRAD_DEBUG"):
+            previous(kind, value, trace)
+        _abort(why, first=first is not False)
 
     return hook
 
@@ -252,14 +257,22 @@ def _say(err: BaseException) -> None:
     say(f"[psgrad{where}] {type(err).__name__}: {err}")
 
 
-def _abort(why: str, *, status: int = 1) -> None:
-    """End every rank of the job with ``status``, once mpiexec had a moment to pass on what this
-    rank printed (an abort can drop output not yet forwarded); the abort is claimed (``why``), so
-    that the sentinels of the ranks it takes down do not name them as having died."""
-    sys.stderr.flush()
-    time.sleep(ABORT_GRACE_SECONDS)
+def _claim(why: str) -> bool | None:
+    """Claim the job's abort (``why``): whether this rank claimed first, None where it cannot."""
     if _WORLD is not None and _WORLD.watchdog is not None:
-        _WORLD.watchdog.claim(why)
+        return _WORLD.watchdog.claim(why)
+    return None
+
+
+def _abort(why: str, *, status: int = 1, first: bool = True) -> None:
+    """End every rank of the job with ``status``, once mpiexec had a moment to pass on what this
+    rank printed (an abort can drop output not yet forwarded), twice that when another rank
+    claimed first (its traceback goes out before this abort can cut it short); the abort is
+    claimed (``why``; again is harmless), so that the sentinels of the ranks it takes down do not
+    name them as having died."""
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_SECONDS * (1 if first else 2))
+    _claim(why)
     abort_if_running(status)
 
 

@@ -1,9 +1,10 @@
 """Under mpiexec: one worker fails at step 3, by exception, SIGKILL, SIGSTOP, or by waiting
 forever for a message nobody sends (hang: every rank ends up waiting); or (exit) it is SIGKILLed
 after training, on its way out, in a process that ends with its job as ``psgrad train``'s does;
-or (slow) its loader takes 9 s over that batch, and the job goes on.
+or (slow) its loader takes 9 s over that batch, and the job goes on; or (raise_all) every worker
+raises at step 3.
 
-Arguments: how (raise, kill, stop, hang, exit, slow), topology (ps, colocated), the failing worker's index (default
+Arguments: how (raise, raise_all, kill, stop, hang, exit, slow), topology (ps, colocated), the failing worker's index (default
 1: rank 2 with ps on 3 ranks, rank 1 with colocated), mode (sync, async). The watchdog's timeout
 is 5 s, so a stopped rank must be named within seconds. Each rank first prints the MPI library's
 shared-memory files it maps (``segment PATH``): a job that ends so must not leave them behind."""
@@ -42,6 +43,8 @@ class FaultyLoader:
         self.worker = worker
 
     def batch(self, step):
+        if step == 3 and how == "raise_all":
+            raise ValueError("injected failure in the data loader")
         if self.worker == failing and step == 3 and how == "slow":
             time.sleep(9)
         elif self.worker == failing and step == 3 and how != "exit":

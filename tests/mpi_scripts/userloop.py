@@ -31,7 +31,8 @@ your loop instead (the job must go on, the watchdog naming it). Scenario ``forev
 trains until the job is interrupted; ``forever_saving`` as well, and its first worker then takes
 3 s in a ``finally`` block to write OUT/saved. Scenario ``average``: the workers' mean of values and of
 BatchNorm buffers; ``average_apart``: of values that differ in structure. Scenario ``misuse``: each
-misuse must raise, and the loop go on after it.
+misuse must raise, and the loop go on after it. Scenario ``raise_all``: every worker raises the
+same error at step 3.
 Each worker writes OUT/rank<r>.json: the largest differences, or what raised.
 """
 
@@ -414,6 +415,11 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP) if scenario == "stall" else time.sleep(9)
             train(model, opt, [step])
         result = {}
+    elif scenario == "raise_all":  # every worker raises the same error at step 3
+        for step in range(STEPS):
+            if step == 3:
+                raise ValueError("the same error on every worker")
+            train(model, opt, [step])
     elif scenario == "average":
         result = scenario_average()
     elif scenario == "average_apart":  # the workers pass values of different structures
