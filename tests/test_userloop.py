@@ -227,6 +227,27 @@ def test_a_stopped_job_says_where_each_rank_stopped_and_ends_with_the_signals_st
     assert "Traceback" not in err and "died without a word" not in err, err[-3000:]
 
 
+def test_a_stop_in_your_code_is_said_to_be_in_your_loop():
+    """A signal handler's frames end every stop's traceback, wherever the main thread was: a
+    Ctrl-C during your ``time.sleep`` was said to be "in psgrad's hooks" (the handler that notes
+    the stop is psgrad's). A stop inside psgrad's code still says so."""
+    import types
+
+    from psgrad.codecs import make_codec
+    from psgrad.runtime.signals import _raise_terminated
+    from psgrad.userloop.stopping import StopTogether, where_it_stopped
+
+    noted = StopTogether._noting(types.SimpleNamespace(stopping=False), _raise_terminated)
+    for handler in (noted, _raise_terminated):
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            handler(signal.SIGTERM, None)  # as Python runs it, on this line
+        line, inside = where_it_stopped(stopped.value.__traceback__)
+        assert line.startswith("test_userloop.py:") and not inside, (handler, line)
+    with pytest.raises(ValueError) as raised:
+        make_codec("no-such-codec")
+    assert where_it_stopped(raised.value.__traceback__)[1]  # it ended in psgrad's code
+
+
 @pytest.mark.parametrize("topology", ["ps", "colocated"])
 def test_a_stopped_job_ends_once_every_rank_ran_its_finally_blocks(tmp_path, topology):
     """Ctrl-C while the first worker's ``finally`` takes 3 s to save: the job ends once it saved,

@@ -15,16 +15,21 @@ on to every other rank, and the job ends once every rank has run its ``finally``
    in its ``finally`` blocks, or one whose own handler kept it going), or at a second Ctrl-C; the
    rank then aborts the job. Before, a rank with nothing to do on its way (a serving rank) aborted
    the job at once, and cut the others' ``finally`` blocks short: a worker's checkpoint save.
+``where_it_stopped`` reads a stop's traceback for the line each rank says.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sysconfig
 import threading
 import time
+import traceback
 
 from ..comm.transport import Transport
 from ..comm.waiting import Backoff, Patience
+from ..runtime import signals
 from ..runtime.signals import STOP_SIGNALS
 
 GRACE_SECONDS = 30.0  # Slurm's default KillWait: its SIGKILL follows the SIGTERM 30 s later
@@ -99,3 +104,25 @@ class StopTogether:
             self._thread.join()
         for handle in self._notices:
             handle.cancel()
+
+
+def where_it_stopped(trace) -> tuple[str, bool]:
+    """The script's line a stop's traceback went through last (``train.py:42``: where your code
+    was), and whether the code it ends in is psgrad's (a wait for the servers, say).
+
+    1. Of the traceback's frames, Python's own and the installed libraries' (torch's) are neither
+       yours nor psgrad's; code Python generated (``<string>``: a dataclass's ``__init__``) is
+       nobody's file.
+    2. The signal handlers' frames at its end are left out: the handler runs wherever the main
+       thread was, and is not psgrad's code at work (a Ctrl-C in your ``time.sleep`` ended in it).
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    libraries = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    handlers = {os.path.abspath(__file__), os.path.abspath(signals.__file__)}
+    frames = [(os.path.abspath(f.filename), f.lineno) for f in traceback.extract_tb(trace) if f.filename[:1] != "<"]
+    while frames and frames[-1][0] in handlers:
+        frames.pop()
+    code = [(name, line) for name, line in frames if not name.startswith(libraries) or name.startswith(package)]
+    inside = bool(code) and code[-1][0].startswith(package)
+    yours = [(name, line) for name, line in code if not name.startswith(package)]
+    return (f"{os.path.basename(yours[-1][0])}:{yours[-1][1]}" if yours else "psgrad's code"), inside

@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import sys
-import sysconfig
 import time
 import traceback
 import warnings
@@ -54,7 +53,7 @@ from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
 from .local import coded_change_note
-from .stopping import StopTogether
+from .stopping import StopTogether, where_it_stopped
 
 ABORT_GRACE_SECONDS = 0.5
 """How long a failing rank waits between printing its error and aborting the job."""
@@ -204,7 +203,7 @@ def _end_job_on_error(previous):
     def hook(kind, value, trace) -> None:
         if isinstance(value, KeyboardInterrupt):
             reason, status = stop_reason(value)
-            line, inside = _your_line(trace)
+            line, inside = where_it_stopped(trace)
             doing = (_WORLD.doing_in_psgrad() if inside else "") or _WORLD.doing()
             stops = _WORLD.stops
             passed = f" as rank {stops.passed_from} was," if stops and stops.passed_from is not None else ""
@@ -224,20 +223,6 @@ def _end_job_on_error(previous):
         _abort(why, first=first is not False)
 
     return hook
-
-
-def _your_line(trace) -> tuple[str, bool]:
-    """The script's line a traceback went through last (``train.py:42``: where your code was), and
-    whether the code it ends in is psgrad's (a wait for the servers, say): of its frames, Python's
-    own and the installed libraries' (torch's) are neither yours nor psgrad's."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    libraries = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
-    # "<string>": code that Python generated (a dataclass's __init__), nobody's file
-    frames = [(os.path.abspath(f.filename), f.lineno) for f in traceback.extract_tb(trace) if f.filename[:1] != "<"]
-    code = [(name, line) for name, line in frames if not name.startswith(libraries) or name.startswith(package)]
-    inside = bool(code) and code[-1][0].startswith(package)
-    yours = [(name, line) for name, line in code if not name.startswith(package)]
-    return (f"{os.path.basename(yours[-1][0])}:{yours[-1][1]}" if yours else "psgrad's code"), inside
 
 
 def _shutdown_at_exit() -> None:
