@@ -227,6 +227,22 @@ def test_a_stopped_job_says_where_each_rank_stopped_and_ends_with_the_signals_st
     assert "Traceback" not in err and "died without a word" not in err, err[-3000:]
 
 
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_scheduler_stop_with_dataloader_workers_says_one_line_a_rank(tmp_path, topology):
+    """SIGTERM to every process of the job, the DataLoader's worker processes too (a scheduler's
+    cancel): each rank says its line, and no report of the loader's workers killed by it follows
+    (torch printed two tracebacks a rank from the loader's ``__del__``)."""
+    cmd = [mpiexec(), "-n", str(RANKS[topology]), sys.executable, str(SCRIPTS / "userloop.py"), str(tmp_path),
+           "forever_loader", topology, "none"]  # fmt: skip
+    trains = f"worker {RANKS[topology] - 2} trains"
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120, sig=signal.SIGTERM)
+    err = (tmp_path / "err").read_text()
+    assert proc.returncode == 143, err[-3000:]
+    said = re.findall(r"^\[psgrad rank (\d)\] terminated \(SIGTERM\) at ", err, re.MULTILINE)
+    assert sorted(map(int, said)) == list(range(RANKS[topology])), err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+
+
 def test_a_stop_in_your_code_is_said_to_be_in_your_loop():
     """A signal handler's frames end every stop's traceback, wherever the main thread was: a
     Ctrl-C during your ``time.sleep`` was said to be "in psgrad's hooks" (the handler that notes

@@ -15,6 +15,7 @@ on to every other rank, and the job ends once every rank has run its ``finally``
    in its ``finally`` blocks, or one whose own handler kept it going), or at a second Ctrl-C; the
    rank then aborts the job. Before, a rank with nothing to do on its way (a serving rank) aborted
    the job at once, and cut the others' ``finally`` blocks short: a worker's checkpoint save.
+A rank that stops no longer hears of DataLoader workers killed by the same signal.
 ``where_it_stopped`` reads a stop's traceback for the line each rank says.
 """
 
@@ -64,6 +65,12 @@ class StopTogether:
     def _noting(self, handler):
         def noted(signum: int, frame) -> None:
             self.stopping = True
+            for _ in range(3):  # torch's handler may yet raise the news once, here, before it is replaced
+                try:
+                    _stop_hearing_loader_workers()
+                    break
+                except RuntimeError:
+                    continue
             handler(signum, frame)
 
         return noted
@@ -104,6 +111,22 @@ class StopTogether:
             self._thread.join()
         for handle in self._notices:
             handle.cancel()
+
+
+def _stop_hearing_loader_workers() -> None:
+    """A scheduler's SIGTERM reaches every process of the job, torch's DataLoader workers too, and
+    they die of it while this rank, kept alive to run your ``finally`` blocks, stops. torch's
+    SIGCHLD handler then raises each death as an error in the main thread, wherever it is: the
+    stop became a RuntimeError (status 1), or two tracebacks a rank from the loader's ``__del__``.
+    A rank that stops has no use for that news: SIGCHLD gets a handler that does nothing (not the
+    default action: a SIGCHLD already pending would then be reported as "ignored due to race
+    condition")."""
+    if getattr(signal.getsignal(signal.SIGCHLD), "__module__", "").startswith("torch.utils.data"):
+        signal.signal(signal.SIGCHLD, _ignore)
+
+
+def _ignore(signum: int, frame) -> None:
+    pass
 
 
 def where_it_stopped(trace) -> tuple[str, bool]:

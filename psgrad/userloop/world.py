@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -198,9 +199,16 @@ def _end_job_on_error(previous):
     Ctrl-C (or SIGTERM, ``Terminated``) is said in one line, where the script stopped and what
     psgrad was doing, as ``psgrad train`` says it: a traceback into psgrad's waits on every rank
     would bury it (``PSGRAD_DEBUG=1`` shows them); the job ends with the shell's status for the
-    signal."""
+    signal. Called from another thread (a library reporting its own error), it prints, as Python's
+    hook would, and ends nothing."""
 
     def hook(kind, value, trace) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # a library's thread reporting its own error (multiprocessing's resource sharer does):
+            # not the script's end; while a rank stops, the news of DataLoader workers killed too
+            if not (_WORLD is not None and _WORLD.stops is not None and _WORLD.stops.stopping):
+                previous(kind, value, trace)
+            return
         if isinstance(value, KeyboardInterrupt):
             reason, status = stop_reason(value)
             line, inside = where_it_stopped(trace)

@@ -29,7 +29,8 @@ the first worker builds one (the job must end, naming both). Scenario ``stall``:
 (SIGSTOP) at step 3, with ``timeout=5``: the watchdog must end the job; ``busy``: it sleeps 9 s in
 your loop instead (the job must go on, the watchdog naming it). Scenario ``forever``
 trains until the job is interrupted; ``forever_saving`` as well, and its first worker then takes
-3 s in a ``finally`` block to write OUT/saved. Scenario ``average``: the workers' mean of values and of
+3 s in a ``finally`` block to write OUT/saved; ``forever_loader`` takes its batches from a
+DataLoader with a worker process. Scenario ``average``: the workers' mean of values and of
 BatchNorm buffers; ``average_apart``: of values that differ in structure. Scenario ``misuse``: each
 misuse must raise, and the loop go on after it. Scenario ``raise_all``: every worker raises the
 same error at step 3.
@@ -434,6 +435,21 @@ def main() -> None:
             if scenario == "forever_saving" and psgrad.worker_index() == 0:  # a slow save, on one worker
                 time.sleep(3)
                 (out / "saved").write_text("saved")
+        result = {}
+    elif scenario == "forever_loader":  # until stopped, taking its batches from a DataLoader's worker process
+        from torch.utils.data import DataLoader, TensorDataset
+
+        images, labels = batch(psgrad.worker_index(), 0)
+        loader = DataLoader(
+            TensorDataset(images.repeat(64, 1, 1, 1), labels.repeat(64)), batch_size=BATCH, num_workers=1
+        )
+        for step in range(10**9):
+            for images, labels in loader:
+                opt.zero_grad()
+                F.cross_entropy(model(images), labels).backward()
+                opt.step()
+            if step == 1:
+                print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
         result = {}
     elif scenario == "uneven":  # the last worker takes one step more: the job must end, not hang
         train(model, opt, range(STEPS + (psgrad.worker_index() == psgrad.num_workers() - 1)))
