@@ -243,6 +243,26 @@ def test_a_scheduler_stop_with_dataloader_workers_says_one_line_a_rank(tmp_path,
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
 
 
+def test_an_error_a_library_reports_from_its_own_thread_does_not_end_the_job(monkeypatch):
+    """multiprocessing's resource sharer hands its thread's errors to ``sys.excepthook``: psgrad's
+    hook ended the job for them, as for an error of the script's. From another thread it prints,
+    as Python's would; from the main thread it still ends the job."""
+    import threading
+
+    from psgrad.userloop import world
+
+    aborted, printed = [], []
+    monkeypatch.setattr(world, "_abort", lambda why, **_: aborted.append(why))
+    hook = world._end_job_on_error(lambda kind, value, trace: printed.append(value))
+    reset = ConnectionResetError("reset by peer")
+    thread = threading.Thread(target=hook, args=(ConnectionResetError, reset, None))
+    thread.start()
+    thread.join()
+    assert printed == [reset] and aborted == []
+    hook(ValueError, ValueError("the script's"), None)
+    assert aborted == ["ValueError: the script's"]
+
+
 def test_a_stop_in_your_code_is_said_to_be_in_your_loop():
     """A signal handler's frames end every stop's traceback, wherever the main thread was: a
     Ctrl-C during your ``time.sleep`` was said to be "in psgrad's hooks" (the handler that notes
