@@ -19,7 +19,9 @@ from ..metrics import say
 from .exits import CHECKPOINT, FAILED, NONFINITE
 from .signals import ignore_further_stops, stop_reason
 
-SECOND_ABORT_DELAY = 1.0  # seconds
+SECOND_ABORT_DELAY = 1.0
+"""Seconds a rank that claims a job's abort after another waits before its own abort: the first
+rank's words (its traceback, the resume hint) go out before this abort can cut them short."""
 
 EXPECTED_STOPS = (checkpoint.CheckpointError, NonFiniteError)
 """Errors whose one line says what happened and what to do (a checkpoint that does not fit, a

@@ -49,6 +49,7 @@ from ..context import RunContext, one_worker_note, ranks_line
 from ..metrics import say
 from ..roles import topology_of
 from ..runtime import job_end_hooks
+from ..runtime.failure import SECOND_ABORT_DELAY
 from ..runtime.signals import ignore_further_stops, stop_reason, stop_signals_raise_from_now
 from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
@@ -259,12 +260,12 @@ def _claim(why: str) -> bool | None:
 
 def _abort(why: str, *, status: int = 1, first: bool = True) -> None:
     """End every rank of the job with ``status``, once mpiexec had a moment to pass on what this
-    rank printed (an abort can drop output not yet forwarded), twice that when another rank
-    claimed first (its traceback goes out before this abort can cut it short); the abort is
+    rank printed (an abort can drop output not yet forwarded), ``SECOND_ABORT_DELAY`` when another
+    rank claimed first (its traceback goes out before this abort can cut it short); the abort is
     claimed (``why``; again is harmless), so that the sentinels of the ranks it takes down do not
     name them as having died."""
     sys.stderr.flush()
-    time.sleep(ABORT_GRACE_SECONDS * (1 if first else 2))
+    time.sleep(ABORT_GRACE_SECONDS if first else SECOND_ABORT_DELAY)
     _claim(why)
     abort_if_running(status)
 
