@@ -224,7 +224,10 @@ def test_a_link_bound_cell_keeps_its_figure():
         (["--topology", "ddp-powersgd"], "give --codec powersgd:rank=R"),
         (["--topology", "ddp", "--codec", "sign"], "the dense gradient: --codec none"),
         (["--topology", "ddp", "--local-steps", "4"], "torch DDP's step: no --down-codec, --local-steps"),
-        (["--topology", "ring", "--codec", "powersgd"], "powersgd needs a server's rounds"),
+        (
+            ["--topology", "ring", "--codec", "powersgd"],
+            "powersgd needs rounds through a server: run it with --topology ps",
+        ),
         (["--topology", "alltoall", "--local-steps", "4"], "--local-steps needs servers"),
         (["--topology", "alltoall", "--down-codec", "sign"], "--topology alltoall has no servers"),
     ],

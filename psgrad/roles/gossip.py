@@ -21,7 +21,9 @@ def check_gossip(cfg) -> None:
         raise ValueError(f"--consensus-step must be in (0, 1], got {cfg.consensus_step}")
     if make_codec(cfg.codec).multi_round:
         raise ValueError(
-            f"--topology {cfg.topology} sends one message per layer and step: {cfg.codec} needs a server's rounds"
+            f"--topology {cfg.topology} sends one message per layer and step to its neighbours, and {cfg.codec} "
+            "needs rounds through a server: run it with --topology ps, colocated or alltoall, or choose a "
+            "one-message codec here (psgrad codecs --list; svd:rank=R is PowerSGD's one-message cousin)"
         )
 
 
