@@ -94,9 +94,9 @@ ROWS_KEPT = 2000
 RATE_WINDOW = 10  # steps the progress bar's it/s is measured over
 
 
-def _cut_at(path: Path, start_step: int) -> list[str]:
+def _cut_at(path: Path, start_step: int) -> tuple[list[str], list[list[str]]]:
     """Ready a resumed run's CSV file for appending; return its own columns (an older psgrad may
-    have written fewer; none for an empty file).
+    have written fewer; none for an empty file) and the rows it kept.
 
     1. Rows of the steps before ``start_step`` stay; later ones go (a run resumed from an older
        checkpoint trains those steps again), as does a row cut off when the job was killed.
@@ -118,7 +118,15 @@ def _cut_at(path: Path, start_step: int) -> list[str]:
         if header:
             csv.writer(f).writerows([header, *kept])
     os.replace(tmp, path)
-    return header
+    return header, kept
+
+
+def _last_wall(header: list[str], kept: list[list[str]]) -> float:
+    """The ``wall`` clock of the last row kept (0 without one): where a resumed run's clock goes on."""
+    try:
+        return float(kept[-1][header.index("wall")]) if kept else 0.0
+    except ValueError:  # no wall column (an older psgrad), or not a number
+        return 0.0
 
 
 DIVERGED = 1000.0
@@ -151,13 +159,20 @@ class MetricsLog:
         self.evals: list[dict] = []
         self._files = {}
         self._writers = {}
+        # a resumed run's clock goes on from the last step kept, so that wall time (and time to
+        # accuracy) counts training only, not the time the job was down or the steps done twice
+        self._wall_before = 0.0
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             append = start_step > 0
             for name, cols in (("metrics", METRIC_COLUMNS), ("eval", EVAL_COLUMNS)):
                 path = self.dir / f"{name}.csv"
                 appending = append and path.exists()
-                cols = (_cut_at(path, start_step) or cols) if appending else cols
+                if appending:
+                    header, kept = _cut_at(path, start_step)
+                    cols = header or cols
+                    if name == "metrics":
+                        self._wall_before = _last_wall(header, kept)
                 f = open(path, "a" if appending else "w", newline="")
                 writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
                 if f.tell() == 0:
@@ -185,6 +200,8 @@ class MetricsLog:
 
     def step(self, row: dict) -> None:
         row["epoch"] = (row["step"] + 1) / max(1, self.steps_per_epoch)  # epochs done after the step
+        if "wall" in row:
+            row["wall"] += self._wall_before
         self.rows.append(row)
         self._write("metrics", row)
         self._watch_divergence(row)

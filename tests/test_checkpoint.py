@@ -183,6 +183,31 @@ def test_a_resumed_log_keeps_the_steps_before_its_checkpoint_once(tmp_path):
         assert [(r["step"], r["test_acc"]) for r in csv.DictReader(f)] == [("3", "0.5"), ("11", "0.75")]
 
 
+def test_a_resumed_run_s_clock_goes_on_from_its_last_step_kept(tmp_path):
+    """A resumed job's own clock starts at 0; metrics.csv's ``wall`` goes on from the last step kept
+    (the steps after the checkpoint, trained again, and the time the job was down do not count), so
+    wall time and time to accuracy read one clock. It used to go back to 0 at the resume."""
+    import csv
+
+    from psgrad.metrics import MetricsLog
+
+    def row(step: int, wall: float) -> dict:
+        return {"step": step, "loss": 1.0, "it_per_s": 2.0, "bytes_up": 7, "bytes_down": 0, "wall": wall}
+
+    first = MetricsLog(str(tmp_path), total_steps=10, start_step=0, steps_per_epoch=4, label="test", progress=False)
+    for step in range(10):
+        first.step(row(step, 0.5 * (step + 1)))  # steps 0..9 end at 0.5 .. 5.0 s
+    first.close()
+    resumed = MetricsLog(str(tmp_path), total_steps=12, start_step=6, steps_per_epoch=4, label="test", progress=False)
+    for step in range(6, 12):
+        resumed.step(row(step, 0.25 * (step - 5)))  # its own clock: 0.25 s after its start, ...
+    resumed.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        walls = [float(r["wall"]) for r in csv.DictReader(f)]
+    # step 5, the last kept, ended at 3.0 s: the resumed steps at 3.25 .. 4.5 s
+    assert walls == [0.5 * (s + 1) for s in range(6)] + [3.0 + 0.25 * (s - 5) for s in range(6, 12)]
+
+
 def _full_disk_save(obj, f):
     """torch.save as on a full disk: part of the file written, then the system's error, wrapped as
     torch wraps it (its zip writer raises its own error while the OSError is handled)."""
