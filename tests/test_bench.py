@@ -299,7 +299,7 @@ def test_busiest_link_per_topology():
 
 
 def test_time_to_target_excludes_evaluation_pauses():
-    from psgrad.bench.launcher import to_target
+    from psgrad.runlogs import to_target
 
     rows = [{"step": s, "wall": 1.0 * (s + 1), "bytes_up": 100_000, "bytes_down": 50_000} for s in range(10)]
     evals = [

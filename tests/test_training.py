@@ -365,7 +365,7 @@ def test_plot_draws_every_row_a_bench_log_dir_holds(tmp_path):
     from click.testing import CliRunner
 
     from psgrad.cli import main
-    from psgrad.plot import run_dirs, run_label
+    from psgrad.runlogs import run_dirs, run_label
 
     bench = tmp_path / "bench"
     for name, row in (("01-r1-none", "none"), ("02-r1-sign", "sign --feedback ef")):
@@ -1007,7 +1007,7 @@ def test_the_start_up_line_and_the_plot_legend_name_the_down_link(tmp_path):
     from click.testing import CliRunner
 
     from psgrad.cli import main
-    from psgrad.plot import run_label
+    from psgrad.runlogs import run_label
 
     log = tmp_path / "both"
     options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress", "--codec", "sign"]

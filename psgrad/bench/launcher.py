@@ -45,6 +45,7 @@ from pathlib import Path
 from ..checkpoint import step_dirs
 from ..config import RunConfig
 from ..metrics import say
+from ..runlogs import paused, to_target
 from ..runtime.signals import stop_reason
 from .baselines import BASELINES
 from .jobs import BenchError, launcher_args, row_log_dir, run_job
@@ -86,39 +87,6 @@ def measure(rows: list[dict], warmup: int, evals: list[dict] = ()) -> dict:
 
 
 # ---------------------------------------------------------------------- one run (under MPI)
-def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:
-    """Time to accuracy from a run's metrics rows (one per step, in order) and evaluations.
-
-    1. The first evaluation with test accuracy >= ``target`` names the step s it followed
-       (0-based, as every ``step`` column): s + 1 steps to target.
-    2. Seconds to target = the wall clock at the end of step s minus the seconds evaluation held
-       training up before it (``paused``: a row that evaluates more often must not pay for it).
-    3. Bytes to target = every byte sent in steps 0..s. Final accuracy = the last evaluation's.
-    A run that never reaches the target has NaN for the first three.
-    """
-    out = {"target_steps": NAN, "target_seconds": NAN, "target_mb": NAN}
-    out["final_acc"] = float(evals[-1]["test_acc"]) if evals else NAN
-    by_step = {int(r["step"]): r for r in rows}
-    held = 0.0
-    for e in evals:
-        if e["test_acc"] >= target:
-            s = int(e["step"])
-            if any(step not in by_step for step in range(s + 1)):
-                raise ValueError(f"time to accuracy needs the metrics rows of steps 0..{s}; some are missing")
-            out["target_steps"] = s + 1
-            out["target_seconds"] = by_step[s]["wall"] - held
-            out["target_mb"] = sum(by_step[i]["bytes_up"] + by_step[i]["bytes_down"] for i in range(s + 1)) / 1e6
-            break
-        held += paused(e)
-    return out
-
-
-def paused(evaluation: dict) -> float:
-    """Seconds ``evaluation`` held training up (``paused_seconds``, else ``eval_seconds``: bench
-    runs evaluate in the foreground, so that is all of it)."""
-    return float(evaluation.get("paused_seconds", evaluation.get("eval_seconds", 0.0)))
-
-
 def run_item(
     item: str, cfg: RunConfig, *, steps: int, warmup: int, powersgd_rank: int = 2, target: float | None = None
 ) -> dict | None:

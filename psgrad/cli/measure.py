@@ -169,7 +169,8 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
     A folder without a metrics.csv stands for the runs in it: `psgrad plot runs/bench` draws
     every row of a `psgrad bench --log-dir runs/bench` that trained, each labelled by its row,
     and names the rows that logged no steps."""
-    from ..plot import MetricsFileError, image_format_problem, matplotlib_problem, plot_runs, rows_not_drawn
+    from ..plot import image_format_problem, matplotlib_problem, plot_runs
+    from ..runlogs import MetricsFileError, rows_not_drawn
 
     if (problem := matplotlib_problem("psgrad plot")) is not None:
         raise click.ClickException(problem)
