@@ -707,10 +707,10 @@ def test_a_run_to_an_accuracy_gets_hours_not_the_throughput_rows_minutes(monkeyp
     was ended two thirds of the way, with nothing to show."""
     from click.testing import CliRunner
 
-    from psgrad.cli import compare, main
+    from psgrad.cli import benching, main
 
     seen = {}
-    monkeypatch.setattr(compare, "_bench_by_launcher", lambda *a, launch, **kw: seen.update(launch))
+    monkeypatch.setattr(benching, "_bench_by_launcher", lambda *a, launch, **kw: seen.update(launch))
     done = CliRunner().invoke(main, ["bench", "--model", "mlp", "--steps", "4", "--codecs", "none", *args])
     assert done.exit_code == 0, done.output
     assert seen["timeout"] == timeout

@@ -1,4 +1,5 @@
-"""``psgrad codecs`` (each codec's bytes and throughput) and ``psgrad plot`` (runs' curves)."""
+"""``psgrad codecs`` (each codec's bytes and throughput), ``psgrad plot`` (runs' curves) and
+``psgrad compare`` (runs' time to accuracy)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,71 @@ def plot(log_dirs: tuple[str, ...], output: str) -> None:
         click.echo(
             f"not drawn, no steps logged (DDP, compute-only and --api optimizer rows): {', '.join(skipped)}", err=True
         )
+
+
+@main.command()
+@click.argument("log_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--target-accuracy",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Test accuracy the runs race to [default: the highest one every evaluated run reached].",
+)
+@output_option(
+    "--json",
+    "json_path",
+    allow_dash=True,
+    help="Also write the runs' figures and the target as JSON here; '-' prints them instead of the table.",
+)
+def compare(log_dirs: tuple[str, ...], target_accuracy: float | None, json_path: str | None) -> None:
+    """Runs (their --log-dir) side by side, ranked by their time to one test accuracy.
+
+    Each row: the steps logged, the wall time of training, MB sent a step, the last and best test
+    accuracy, and the steps, seconds and MB to the target, the seconds also as a multiple of the
+    fastest run's (evaluation pauses left out). A folder without a metrics.csv stands for the runs
+    in it, as in psgrad plot."""
+    from ..runlogs import MetricsFileError, rows_not_drawn, run_dirs
+    from ..runtable import common_target, figures, ranked, table
+
+    try:
+        runs = [figures(d) for d in run_dirs([Path(d) for d in log_dirs])]
+    except (FileNotFoundError, MetricsFileError) as err:
+        raise click.UsageError(str(err)) from None
+    target = target_accuracy if target_accuracy is not None else common_target(runs)
+    try:
+        records = ranked(runs, target)
+    except ValueError as err:  # an evaluation after steps the metrics file lacks
+        raise click.UsageError(str(err)) from None
+    if json_path is not None:
+        # NaN (not reached, never evaluated) as null: strict JSON readers refuse NaN
+        plain = [{k: None if isinstance(v, float) and v != v else v for k, v in r.items()} for r in records]
+        text = json.dumps({"target_accuracy": target, "runs": plain}, indent=1)
+        if json_path == "-":
+            click.echo(text)
+            return
+        Path(json_path).write_text(text + "\n")
+    click.echo(_target_line(target, chosen=target_accuracy is not None))
+    click.echo(table(records, target))
+    click.echo(
+        "seconds: wall time of training; to target: at the first evaluation that reached it (evaluate more often "
+        "for a finer time: --eval-every-steps), evaluation pauses left out; MB: sent up and down, every worker"
+    )
+    if len(data := {r["data"] for r in records if r["data"] != "?"}) > 1:
+        click.echo(
+            f"note: the runs were scored on different data ({', '.join(sorted(data))}): their accuracies do not compare"
+        )
+    if skipped := rows_not_drawn([Path(d) for d in log_dirs]):
+        click.echo(
+            f"not compared, no steps logged (DDP, compute-only and --api optimizer rows): {', '.join(skipped)}",
+            err=True,
+        )
+
+
+def _target_line(target: float | None, *, chosen: bool) -> str:
+    if target is None:
+        return "no run was evaluated (eval.csv): no time to accuracy"
+    if chosen:
+        return f"target: test accuracy {target:.3f}"
+    return (
+        f"target: test accuracy {target:.3f}, the highest every evaluated run reached (--target-accuracy sets another)"
+    )
