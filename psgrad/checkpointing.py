@@ -5,6 +5,7 @@ run's state back on every rank. The files themselves are ``psgrad.checkpoint``'s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import checkpoint
@@ -12,8 +13,6 @@ from .agreement import fail_together
 from .runtime.exits import CHECKPOINT
 
 if TYPE_CHECKING:  # the interface only
-    from pathlib import Path
-
     from torch import nn
 
     from .comm.channel import Channel
@@ -25,11 +24,23 @@ class Checkpoints:
 
     def __init__(self, log_dir: str | None, *, transport: Channel, every: int, total: int, keep: int = 0) -> None:
         self.log_dir, self.transport, self.every, self.total, self.keep = log_dir, transport, every, total, keep
+        self.stop_step: int | None = None  # the step after which the ranks agreed to stop (stopsaving.py)
+        self.last_saved: Path | None = None  # the directory of the newest checkpoint this rank wrote
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run writes checkpoints at all (into a log dir, or every N steps)."""
+        return self.log_dir is not None or self.every > 0
 
     def is_due(self, step: int) -> bool:
-        """Every ``--checkpoint-every-steps`` steps, and after the last step whenever there is a log dir."""
+        """Every ``--checkpoint-every-steps`` steps, after the last step whenever there is a log
+        dir, and after the step the ranks agreed to stop at (engines settle before it: engine/local.py)."""
         last = step + 1 == self.total and self.log_dir is not None
-        return last or (self.every > 0 and (step + 1) % self.every == 0 and step + 1 < self.total)
+        return (
+            last
+            or step == self.stop_step
+            or (self.every > 0 and (step + 1) % self.every == 0 and step + 1 < self.total)
+        )
 
     def save(self, step: int, state: dict) -> None:
         """Every rank writes its file (atomically); once all have (one allreduce: every rank is
@@ -39,7 +50,7 @@ class Checkpoints:
         resuming needs)."""
         rank, size = self.transport.rank, self.transport.size
         where = self.log_dir or "checkpoints"
-        directory = checkpoint.step_dir(where, step)
+        directory = self.last_saved = checkpoint.step_dir(where, step)
         checkpoint.save_rank_state(directory, rank, {"step": step, **state})
         written = self.transport.allreduce_sum([1])[0]
         if rank == 0 and written == size:

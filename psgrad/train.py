@@ -27,6 +27,7 @@ from .runtime import job_end_hooks
 from .runtime.failure import end_on_failure
 from .runtime.watchdog import Report, Watchdog
 from .startup import prepare
+from .stopsaving import StopSaving
 
 
 @dataclass
@@ -52,6 +53,7 @@ def run(
     transport: Transport | None = None,
     optimizer_fn: OptimizerFn | None = None,
     keep_all_rows: bool = False,
+    save_on_stop: bool = True,
 ) -> RunResult:
     """Train under MPI: call on every rank (``mpiexec -n 3 python my_script.py``).
 
@@ -62,14 +64,11 @@ def run(
     ``loss_fn(outputs, labels)`` the training loss, and ``optimizer_fn([layer_values])`` builds
     any ``torch.optim.Optimizer`` the servers apply per layer (default: ``cfg.optimizer``; psgrad's
     schedule sets its lr every step). ``keep_all_rows`` keeps every metrics row in the result
-    (``psgrad bench`` reads them all), not only the last few.
+    (``psgrad bench`` reads them all), not only the last few. With ``save_on_stop``, a SIGTERM
+    during the steps of a run that writes checkpoints is saved in one before the job stops
+    (psgrad/stopsaving.py).
     """
-    if model_fn is not None and eval_data is None:
-        raise ValueError(
-            "a custom model_fn needs eval_data (an iterable of (inputs, labels) batches of your test set): "
-            f"psgrad will not evaluate your model on the {cfg.dataset} test set"
-        )
-    _check_eval_data(eval_data)
+    _check_eval_data(eval_data, own_model=model_fn is not None, dataset=cfg.dataset)
     transport = transport or Transport()
     on_job_end(**job_end_hooks())  # MPI_Abort's leftovers removed, sentinels told after MPI_Finalize
     layout = prepare(cfg, transport=transport)
@@ -93,7 +92,9 @@ def run(
             loss_fn=loss_fn,
             optimizer_fn=optimizer_fn,
         )
-        result = _loop(ctx, where=where, keep_all_rows=keep_all_rows, at_step=watchdog.at_step)
+        # MPI ranks only: simulated ranks are threads of one process, which share its signals
+        saving = save_on_stop and isinstance(transport, Transport)
+        result = _loop(ctx, where=where, keep_all_rows=keep_all_rows, at_step=watchdog.at_step, save_on_stop=saving)
     except BaseException as err:
         end_on_failure(err, transport=transport, watchdog=watchdog, log_dir=cfg.log_dir, doing=report().doing)
         raise
@@ -101,10 +102,15 @@ def run(
     return result
 
 
-def _check_eval_data(eval_data: Iterable | None) -> None:
-    """``eval_data`` can serve every evaluation of the run (ValueError otherwise): not empty, and
-    not a one-shot iterator, which the second evaluation would find empty (it scored accuracy 0
-    without a word)."""
+def _check_eval_data(eval_data: Iterable | None, *, own_model: bool, dataset: str) -> None:
+    """``eval_data`` can serve every evaluation of the run (ValueError otherwise): given with a
+    model of the caller's own, not empty, and not a one-shot iterator, which the second
+    evaluation would find empty (it scored accuracy 0 without a word)."""
+    if own_model and eval_data is None:
+        raise ValueError(
+            "a custom model_fn needs eval_data (an iterable of (inputs, labels) batches of your test set): "
+            f"psgrad will not evaluate your model on the {dataset} test set"
+        )
     if isinstance(eval_data, Iterator):
         raise ValueError(
             f"eval_data is a one-shot iterator ({type(eval_data).__name__}): every evaluation reads it from the "
@@ -115,29 +121,35 @@ def _check_eval_data(eval_data: Iterable | None) -> None:
         raise ValueError("eval_data holds no batches: give it your test set's (inputs, labels) batches")
 
 
-def _loop(ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callable[[int], None]) -> RunResult:
+def _loop(
+    ctx: RunContext, *, where: dict, keep_all_rows: bool, at_step: Callable[[int], None], save_on_stop: bool
+) -> RunResult:
     """This rank's role, from its first step to its result (``where`` tells the watchdog what it
-    is doing, ``at_step`` which step it starts)."""
+    is doing, ``at_step`` which step it starts; ``save_on_stop``: psgrad/stopsaving.py)."""
     role = where["role"] = ctx.topology.make_role(ctx)
     if ctx.resume:
         _load_state(role, ctx)
         ctx.transport.barrier()  # every rank's state fits before rank 0 touches the log dir
     log = ctx.open_log(keep_all_rows=keep_all_rows)  # rank 0 only
     role.start()
-    for step in range(ctx.start, ctx.total):
-        at_step(step)
-        started = time.monotonic()
-        rows = role.step(step)
-        where["slowest"] = max(where.get("slowest", 0.0), time.monotonic() - started)
-        if log:
-            for row in rows:
-                log.step(row)
-        if ctx.evaluations.is_due(step):
-            role.evaluate(step)
-        for evaluation in ctx.evaluations.take():
-            log.evaluation(evaluation)
-        if ctx.checkpoints.is_due(step):
-            ctx.checkpoints.save(step + 1, role.state_dict())
+    stops = StopSaving(ctx.transport, checkpoints=ctx.checkpoints, cfg=ctx.cfg, wanted=save_on_stop)
+    with stops.during_steps():
+        for step in range(ctx.start, ctx.total):
+            at_step(step)
+            stops.before(step)
+            started = time.monotonic()
+            rows = role.step(step)
+            where["slowest"] = max(where.get("slowest", 0.0), time.monotonic() - started)
+            if log:
+                for row in rows:
+                    log.step(row)
+            if ctx.evaluations.is_due(step):
+                role.evaluate(step)
+            for evaluation in ctx.evaluations.take():
+                log.evaluation(evaluation)
+            if ctx.checkpoints.is_due(step):
+                ctx.checkpoints.save(step + 1, role.state_dict())
+            stops.after(step)
     rows = role.finish()
     for evaluation in ctx.evaluations.take(block=True):
         log.evaluation(evaluation)

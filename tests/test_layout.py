@@ -85,7 +85,7 @@ FLOORS = [
     (3, ["psgrad.backprop", "psgrad.sim.stacked"]),
     (1, ["psgrad.runtime.sentinel", "psgrad.runtime.signals", "psgrad.runtime"]),
     (2, ["psgrad.checkpoint", "psgrad.runtime.watchdog", "psgrad.agreement"]),
-    (3, ["psgrad.evaluation", "psgrad.checkpointing", "psgrad.runtime.restarts"]),
+    (3, ["psgrad.evaluation", "psgrad.checkpointing", "psgrad.runtime.restarts", "psgrad.stopsaving"]),
     (3, ["psgrad.shards", "psgrad.ddpcomm"]),
     (3, ["psgrad.context", "psgrad.startup"]),
     (4, ["psgrad.engine"]),

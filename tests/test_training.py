@@ -559,10 +559,11 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
 ):
     """Ctrl-C in the terminal of ``mpiexec … psgrad train`` (SIGINT to mpiexec and the ranks), or
     SIGTERM to them all (a scheduler's cancel), to mpiexec alone (``kill``, which it forwards) or
-    to one worker alone: each rank stopped says what stopped it and what it was doing, one rank
-    (the one stopped alone, too) names the newest complete checkpoint and the --resume that
-    continues it, and the job exits as a shell reports the signal (130, 143), without a traceback
-    or a sentinel blaming a rank as killed or crashed."""
+    to one worker alone: each rank says what stopped it and what it was doing (after SIGTERM, the
+    step after which the ranks agreed to stop and the checkpoint they wrote there), one rank (the
+    one stopped alone, too) names the newest complete checkpoint and the --resume that continues
+    it, and the job exits as a shell reports the signal (130, 143), without a traceback or a
+    sentinel blaming a rank as killed or crashed."""
     import signal
 
     from psgrad import checkpoint
@@ -594,9 +595,19 @@ def test_a_signal_stops_the_job_with_a_line_per_rank_and_the_checkpoint_to_resum
     proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name), group=to == "group",
                           target=rank_2 if to == "rank 2" else None)  # fmt: skip
     assert proc.returncode == status, proc.stderr[-3000:]
-    assert proc.stderr.count(f"{said} while") >= 1, proc.stderr[-3000:]
-    assert to != "rank 2" or f"[psgrad rank 2] {said} while" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "[psgrad sentinel]" not in proc.stderr, proc.stderr[-3000:]
+    if signal_name == "SIGTERM":  # saved: every rank at one step, in one checkpoint (psgrad/stopsaving.py)
+        found = re.findall(rf"\[psgrad rank (\d)\] (.*) after step (\d+), every rank's state saved in {log}/ckpt-step(\d+)\n",
+                           proc.stderr)  # fmt: skip
+        lines = {rank: (why, int(step), int(saved)) for rank, why, step, saved in found}
+        assert sorted(lines) == ["0", "1", "2"], proc.stderr[-3000:]
+        ((step, saved),) = {(step, saved) for _, step, saved in lines.values()}
+        alone = "stopped with the job (SIGTERM on rank 2)"
+        whys = [lines[rank][0] for rank in "012"]
+        assert whys == ([alone, alone, said] if to == "rank 2" else [said] * 3), proc.stderr[-3000:]
+        assert saved == step + 1 and checkpoint.resolve(log) == log / f"ckpt-step{saved}", proc.stderr[-3000:]
+    else:
+        assert proc.stderr.count(f"{said} while") >= 1, proc.stderr[-3000:]
     # said by the rank that stops first: a checkpoint rank 0 completes a moment later may be newer
     # (--resume LOG takes the newest there is when the run resumes)
     hints = re.findall(rf"the newest complete checkpoint is {log}/ckpt-step(\d+): continue the run with --resume {log}\n",

@@ -131,7 +131,8 @@ def run_item(
         eval_background=False,
         progress=False,
     )
-    result = run(bench_cfg, keep_all_rows=True)  # to_target reads every row up to the target
+    # to_target reads every row up to the target; a stopped bench row has nothing worth saving
+    result = run(bench_cfg, keep_all_rows=True, save_on_stop=False)
     if result.rank != 0:
         return None
     if cfg.log_dir:

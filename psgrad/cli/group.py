@@ -56,7 +56,8 @@ EXIT_STATUS = (
     "usage error (an option set to a value of its own where the run would not use it is one: --depth with --model "
     "mlp, --staleness without --mode async), settings the ranks do not agree on or unreadable data (said once, "
     "before the first step); 130 "
-    "after Ctrl-C and 143 after SIGTERM (each rank said what it was doing, rank 0 which checkpoint resumes the run). "
+    "after Ctrl-C and 143 after SIGTERM (each rank said where it stopped, one rank which checkpoint resumes the run; "
+    "after SIGTERM a run that writes checkpoints first saves one, after a step every rank agrees on). "
     "A rank killed outright (SIGKILL, a crash), or one that failed before MPI started (it prints its error, then ends "
     "itself by SIGTERM so that the job ends), ends mpiexec with a status of its own."
 )

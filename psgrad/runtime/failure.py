@@ -16,6 +16,7 @@ from ..agreement import AgreementError
 from ..comm.protocol import NonFiniteError
 from ..comm.waiting import PeerFailure
 from ..metrics import say
+from ..stopsaving import SavedStop
 from .exits import CHECKPOINT, FAILED, NONFINITE
 from .signals import ignore_further_stops, stop_reason
 
@@ -50,7 +51,8 @@ def end_on_failure(
 
     1. A simulated rank stopped by another's failure, and a disagreement (said once by one rank),
        end quietly.
-    2. Ctrl-C or SIGTERM: one line (where it stopped), further stops ignored, and the job
+    2. Ctrl-C or SIGTERM: one line (where it stopped, or the checkpoint a saved stop wrote:
+       stopsaving.py), further stops ignored, and the job
        aborted with the shell's status for the signal; the rank that claims the abort first (the
        one stopped, when a rank is stopped alone) names the checkpoint that resumes the run.
     3. Any other error: one line; a full disk adds the resume hint (said as in 2), and an error
@@ -68,7 +70,8 @@ def end_on_failure(
         return
     if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
         reason, status = stop_reason(err)
-        say(f"[psgrad rank {transport.rank}] {reason} while {doing}")
+        said = err.said(transport.rank) if isinstance(err, SavedStop) else f"{reason} while {doing}"
+        say(f"[psgrad rank {transport.rank}] {said}")
         if transport.size > 1:
             ignore_further_stops()
         _end_job(transport, watchdog, reason, status, first_says=lambda: _say_resume_hint(log_dir))

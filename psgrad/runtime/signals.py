@@ -39,7 +39,7 @@ def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def _stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[None]:
+def stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[None]:
     """Within, ``handler`` takes each of ``STOP_SIGNALS``; the handlers before are back after.
     Elsewhere than in the main thread (which alone may set handlers) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
@@ -77,7 +77,7 @@ def stop_signals_raise() -> contextlib.AbstractContextManager[None]:
     where it would otherwise die without a word (and its sentinel blame it as killed or crashed),
     and ``psgrad bench`` ends its running job instead of leaving it behind. Elsewhere than in the
     main thread (which alone may set handlers) it does nothing."""
-    return _stop_signals_to(_raise_terminated)
+    return stop_signals_to(_raise_terminated)
 
 
 def stop_signals_raise_from_now() -> None:
@@ -99,7 +99,7 @@ def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
     while it starts or ends, outside ``stop_signals_raise``: a rank leaving there by a normal exit
     hung the job, one killed by the signal is one the process manager ends the job for, but took
     the segment with it into /dev/shm for good. Main thread only, as every handler."""
-    return _stop_signals_to(_end_by_signal)
+    return stop_signals_to(_end_by_signal)
 
 
 def ignore_further_stops() -> None:
