@@ -12,7 +12,7 @@ a checkpoint after it, and stop. A scheduler's preemption or time limit then cos
    how far ranks run apart (``--mode async``'s staleness) and how long the vote's few bytes may
    queue behind an overlapped exchange on a slow link, so that reading it rarely waits. From the
    slowest rank's step time every rank sets the same period for the next votes, about
-   ``VOTE_SECONDS`` apart: a vote every step cost fast steps (5 ms) about 7 % of their rate.
+   ``VOTE_SECONDS`` apart: a model whose steps take milliseconds does not pay a collective a step.
 4. A vote with a signal in it makes a checkpoint due after step S, the first step after k + lag after
    which one may be written (every ``--local-steps``), so the engines settle before it as before
    any checkpoint (engine/local.py). After step S every rank writes its part, waits until every
