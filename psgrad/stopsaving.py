@@ -3,7 +3,9 @@ a checkpoint after it, and stop. A scheduler's preemption or time limit then cos
 
 1. While the steps run, the first SIGTERM on a rank is noted, not raised, and the rank says so.
    A second one stops the rank at once, as Ctrl-C always does, and so does ``PATIENCE`` seconds
-   without the agreed stop: a peer that is stuck or gone cannot keep the rank from stopping.
+   without the agreed stop: a peer that is stuck or gone cannot keep the rank from stopping. One
+   within ``SAME_STOP`` seconds of the first is the same stop, delivered twice: a scheduler signals
+   every process of a job, and the launcher (srun, mpiexec, a supervisor) passes its own on.
 2. Before step k, at the steps of a schedule every rank shares, every rank starts a vote on its
    own duplicate communicator: a non-blocking all-gather of the signal it noted (0 for none) and
    its mean step time since its last vote.
@@ -46,6 +48,9 @@ if TYPE_CHECKING:  # the interfaces only
 PATIENCE = 20.0
 """Seconds a rank waits for the agreed stop after its SIGTERM before it stops at once (a
 scheduler's grace before SIGKILL is often 30 s)."""
+
+SAME_STOP = 2.0
+"""Seconds within which a second SIGTERM is the first one delivered again (module docstring, 1)."""
 
 MIN_LAG = 2
 """Steps between a vote and its reading when ranks run in step: a rank is at most one step ahead."""
@@ -96,6 +101,7 @@ class StopSaving:
         self.active = wanted and checkpoints.enabled and transport.size > 1
         self.lag, self.boundary = vote_lag(cfg), max(1, cfg.local_steps)
         self.noted = 0  # the signal this rank noted, 0 for none
+        self._noted_at = 0.0
         self.signum = 0  # the agreed stop's signal
         self.signalled: list[int] = []  # ... and the ranks that noted it
         self.votes: deque[tuple[int, Handle, np.ndarray]] = deque()  # (the step it started before, ...)
@@ -124,13 +130,15 @@ class StopSaving:
         self.channel.free()
 
     def _note(self, signum: int, frame: object) -> None:
-        if self.noted:  # the second stop signal: at once
-            raise Terminated(signum)
-        self.noted = signum
+        if self.noted:
+            if time.monotonic() - self._noted_at < SAME_STOP:
+                return
+            raise Terminated(signum)  # a second stop: at once
+        self.noted, self._noted_at = signum, time.monotonic()
         name = signal.Signals(signum).name
         say(
             f"[psgrad rank {self.transport.rank}] {name}: stopping after a step every rank agrees on, with a "
-            f"checkpoint ({name} again stops at once; so does a stop not agreed within {PATIENCE:.0f} s)"
+            f"checkpoint ({name} again stops at once, and so does a stop not agreed within {PATIENCE:.0f} s)"
         )
         # interrupt_main calls this handler again in the main thread, which then stops at once
         self._timer = threading.Timer(PATIENCE, _thread.interrupt_main, args=(signum,))

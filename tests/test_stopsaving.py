@@ -102,3 +102,28 @@ def test_a_rank_that_cannot_agree_on_a_stop_stops_at_once_after_its_patience(tmp
     assert "state saved in" not in proc.stderr, proc.stderr[-3000:]
     assert f"the newest complete checkpoint is {log}/ckpt-step" in proc.stderr, proc.stderr[-3000:]
     assert PATIENCE <= took < PATIENCE + 30, (took, proc.stderr[-3000:])
+
+
+def test_a_sigterm_delivered_twice_at_once_is_one_saved_stop(tmp_path):
+    """A scheduler signals every process of a job, and the launcher (srun, mpiexec, the restarts
+    supervisor) passes its own SIGTERM on: a rank may get two within a moment. That is one stop,
+    saved; only a SIGTERM seconds later stops at once."""
+    import os
+
+    log = tmp_path / "run"
+
+    def signalled_once(err: str) -> bool:
+        if not (log / "ckpt-step20" / checkpoint.MARKER).exists():
+            return False
+        rank0 = int(re.search(r"\b0=[a-z+]+:(\d+)", err).group(1))
+        os.killpg(os.getpgid(rank0), signal.SIGTERM)  # the launcher's; interrupt_when sends the second
+        return True
+
+    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "psgrad", "train", "--model", "mlp", "--lr", "0.01"]
+    options = ["--steps", "100000", "--checkpoint-every-steps", "20", "--no-progress", "--log-dir", str(log)]
+    proc = interrupt_when([*cmd, *options], signalled_once, tmp_path / "err", sig=signal.SIGTERM)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    saved = re.findall(
+        r"\[psgrad rank (\d)\] terminated \(SIGTERM\) after step \d+, every rank's state saved", proc.stderr
+    )
+    assert sorted(saved) == ["0", "1", "2"] and " while " not in proc.stderr, proc.stderr[-3000:]
