@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .runlogs import MetricsFileError, read_rows, run_dirs, run_label
+from .runlogs import read_run, run_dirs, run_label
 
 
 def matplotlib_problem(what: str) -> str | None:
@@ -35,12 +35,7 @@ def plot_runs(log_dirs: list[Path], out: Path) -> Path:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), squeeze=False)
     xs = (("step", "step", 1.0), ("wall", "wall time (s)", 1.0), ("mb", "MB sent (up+down, cumulative)", 1e-6))
     for log_dir in run_dirs(log_dirs):
-        metrics = read_rows(log_dir / "metrics.csv", ("step", "loss", "wall"))
-        if not metrics:
-            if (log_dir / "metrics.csv").is_file():
-                raise MetricsFileError(f"{log_dir / 'metrics.csv'}: no steps logged yet")
-            raise FileNotFoundError(f"{log_dir}: no metrics.csv (was it a psgrad --log-dir?)")
-        evals = read_rows(log_dir / "eval.csv", ("step", "test_acc"))
+        metrics, evals = read_run(log_dir)
         sent = 0.0
         for row in metrics:
             sent += row.get("bytes_up", 0) + row.get("bytes_down", 0)

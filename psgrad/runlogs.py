@@ -35,6 +35,17 @@ def read_rows(path: Path, needed: tuple[str, ...]) -> list[dict[str, float]]:
         return rows
 
 
+def read_run(log_dir: Path) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """A run's metrics.csv and eval.csv rows (``read_rows``). Raises ``FileNotFoundError``
+    without a metrics.csv and ``MetricsFileError`` for one that holds no steps."""
+    rows = read_rows(log_dir / "metrics.csv", ("step", "loss", "wall"))
+    if not rows:
+        if (log_dir / "metrics.csv").is_file():
+            raise MetricsFileError(f"{log_dir / 'metrics.csv'}: no steps logged yet")
+        raise FileNotFoundError(f"{log_dir}: no metrics.csv (was it a psgrad --log-dir?)")
+    return rows, read_rows(log_dir / "eval.csv", ("step", "test_acc"))
+
+
 def run_dirs(given: list[Path]) -> list[Path]:
     """The runs to draw: each given folder that holds a metrics.csv, and in place of one that
     does not, the folders in it that do (a ``psgrad bench --log-dir``: its rows that trained,

@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .runlogs import MetricsFileError, read_rows, run_label, to_target
+from .runlogs import read_run, run_label, to_target
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,7 @@ def _data_label(log_dir: Path) -> str:
 def figures(log_dir: Path) -> RunFigures:
     """The figures of the run logged in ``log_dir``. Raises ``FileNotFoundError`` without a
     metrics.csv and ``MetricsFileError`` for one that holds no steps or is not psgrad's."""
-    rows = read_rows(log_dir / "metrics.csv", ("step", "loss", "wall"))
-    if not rows:
-        if (log_dir / "metrics.csv").is_file():
-            raise MetricsFileError(f"{log_dir / 'metrics.csv'}: no steps logged yet")
-        raise FileNotFoundError(f"{log_dir}: no metrics.csv (was it a psgrad --log-dir?)")
-    evals = read_rows(log_dir / "eval.csv", ("step", "test_acc"))
+    rows, evals = read_run(log_dir)
     sent = sum(r.get("bytes_up", 0.0) + r.get("bytes_down", 0.0) for r in rows)
     accuracies = [e["test_acc"] for e in evals]
     return RunFigures(
