@@ -73,9 +73,10 @@ def rows_not_drawn(given: list[Path]) -> list[str]:
 
 
 def run_label(log_dir: Path) -> str:
-    """The codec (with its feedback, and the down-link's codec) of the run's config.json and the
-    folder's name, e.g. ``sign:bucket=32+ef, down qsgd:levels=16 (runs/a)``; a bench row's whole
-    spec (its row.txt) in place of the codec; the name alone when there is no readable config.json."""
+    """The codec (with its feedback, and the down-link's codec), the topology other than ps and
+    the local steps of the run's config.json, and the folder's name, e.g. ``sign:bucket=32+ef,
+    down qsgd:levels=16, colocated, 32 local steps (runs/a)``; a bench row's whole spec (its
+    row.txt) in place of them; the name alone when there is no readable config.json."""
     if (row := log_dir / "row.txt").is_file():
         return f"{row.read_text().strip()} ({log_dir.name})"
     config = log_dir / "config.json"
@@ -87,7 +88,9 @@ def run_label(log_dir: Path) -> str:
         return log_dir.name
     fb = f"+{cfg['feedback']}" if cfg.get("feedback", "none") != "none" else ""
     down = f", down {cfg['down_codec']}" if cfg.get("down_codec", "none") != "none" else ""
-    return f"{cfg.get('codec', '?')}{fb}{down} ({log_dir.name})"
+    topology = f", {cfg['topology']}" if cfg.get("topology", "ps") != "ps" else ""
+    local = f", {cfg['local_steps']} local steps" if cfg.get("local_steps") else ""
+    return f"{cfg.get('codec', '?')}{fb}{down}{topology}{local} ({log_dir.name})"
 
 
 def to_target(rows: list[dict], evals: list[dict], target: float) -> dict:

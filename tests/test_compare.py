@@ -101,3 +101,17 @@ def test_two_simulated_runs_compare_end_to_end(tmp_path):
     assert done.exit_code == 0, done.output
     rows = done.output.splitlines()[2:4]
     assert sorted(row.split()[0] for row in rows) == ["none", "sign"] and rows[0].endswith("1.00x"), done.output
+
+
+def test_a_run_is_labelled_by_what_sets_it_apart(tmp_path):
+    """Codec, feedback, down-link, a topology other than ps and local steps: two runs of one codec
+    that differ in topology or local steps are told apart by more than their folders' names."""
+    from psgrad.runlogs import run_label
+
+    (tmp_path / "slow").mkdir()
+    config = {"codec": "qsgd:levels=16", "feedback": "ef", "down_codec": "qsgd:levels=64", "topology": "colocated"}
+    (tmp_path / "slow" / "config.json").write_text(json.dumps({**config, "local_steps": 32}))
+    assert run_label(tmp_path / "slow") == "qsgd:levels=16+ef, down qsgd:levels=64, colocated, 32 local steps (slow)"
+    (tmp_path / "ps").mkdir()
+    (tmp_path / "ps" / "config.json").write_text(json.dumps({"codec": "none", "topology": "ps", "local_steps": 0}))
+    assert run_label(tmp_path / "ps") == "none (ps)"
