@@ -17,10 +17,11 @@ a checkpoint after it, and stop. A scheduler's preemption or time limit then cos
    ``VOTE_SECONDS`` apart: a model whose steps take milliseconds does not pay a collective a step.
 4. A vote with a signal in it makes a checkpoint due after step S, the first step after k + lag after
    which one may be written (every ``--local-steps``), so the engines settle before it as before
-   any checkpoint (engine/local.py). After step S every rank writes its part, waits until every
-   rank has (rank 0 marks the checkpoint complete), and raises ``SavedStop``, which the failure
-   path says (runtime/failure.py). A stop that would come at the run's last step lets the run
-   finish instead.
+   any checkpoint (engine/local.py). After step S every rank writes its part and leaves the steps;
+   the roles finish as at the run's end (the metrics rank logs the last steps' rows, so a resumed
+   run's metrics.csv misses none), every rank waits until every rank has (rank 0 marked the
+   checkpoint complete), and raises ``SavedStop``, which the failure path says
+   (runtime/failure.py). A stop that would come at the run's last step lets the run finish instead.
 5. Without a stop, the votes still in flight are read at the end, and the communicator freed.
 """
 
@@ -121,13 +122,18 @@ class StopSaving:
             with stop_signals_to(self._note):
                 yield self
         finally:
-            if self._timer is not None:
+            if self._timer is not None and not self.agreed:  # an agreed stop keeps it until ``stop``
                 self._timer.cancel()
         while self.votes:  # not reached after an error: the job ends without its votes
             self._read()
-        if self.noted:
+        if self.noted and not self.agreed:
             say(f"[psgrad rank {self.transport.rank}] the run finished before its stop: nothing to save beyond it")
         self.channel.free()
+
+    @property
+    def agreed(self) -> bool:
+        """Whether the ranks agreed to stop (at ``checkpoints.stop_step``)."""
+        return self.checkpoints.stop_step is not None
 
     def _note(self, signum: int, frame: object) -> None:
         if self.noted:
@@ -156,20 +162,14 @@ class StopSaving:
         self.votes.append((step, *self.channel.iallgather_sizes(vote)))
         self.next_vote = step + self.period
 
-    def after(self, step: int) -> None:
-        """Read the vote due (3); after the agreed step, stop (4). Called once the step's
-        checkpoint, if due, is written."""
+    def after(self, step: int) -> bool:
+        """Read the vote due (3); True after the agreed step, whose checkpoint is written: the
+        steps end there (4). Called once the step's checkpoint, if due, is written."""
         stop = self.checkpoints.stop_step
-        if stop is not None and step == stop:
-            self.transport.barrier()  # rank 0 has marked the checkpoint complete before any rank aborts
-            raise SavedStop(
-                self.signum,
-                step=step + 1,
-                saved=str(self.checkpoints.last_saved),
-                signalled=self.signalled,
-            )
-        if stop is not None or not self.votes or self.votes[0][0] + self.lag > step:
-            return
+        if stop is not None:
+            return step == stop
+        if not self.votes or self.votes[0][0] + self.lag > step:
+            return False
         votes = self._read()
         signals, slowest = votes & (1 << _SIGNAL_BITS) - 1, int(votes.max()) >> _SIGNAL_BITS
         if slowest > 0:  # 0: the first vote, before any step was timed
@@ -180,6 +180,17 @@ class StopSaving:
             after += (-(after + 1)) % self.boundary  # the first step after which a checkpoint may be written
             if after < self.checkpoints.total - 1:  # else the run ends first, with its own checkpoint
                 self.checkpoints.stop_step = after
+        return False
+
+    def stop(self) -> None:
+        """After the agreed stop's checkpoint and the roles' finish: raise ``SavedStop`` (4)."""
+        self.transport.barrier()  # rank 0 has marked the checkpoint complete before any rank aborts
+        raise SavedStop(
+            self.signum,
+            step=self.checkpoints.stop_step + 1,
+            saved=str(self.checkpoints.last_saved),
+            signalled=self.signalled,
+        )
 
     def _read(self) -> np.ndarray:
         _, handle, votes = self.votes.popleft()

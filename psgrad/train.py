@@ -149,10 +149,15 @@ def _loop(
                 log.evaluation(evaluation)
             if ctx.checkpoints.is_due(step):
                 ctx.checkpoints.save(step + 1, role.state_dict())
-            stops.after(step)
+            if stops.after(step):
+                break
     rows = role.finish()
     for evaluation in ctx.evaluations.take(block=True):
         log.evaluation(evaluation)
+    if stops.agreed:  # the last steps' rows logged, then the job ends (psgrad/stopsaving.py)
+        for row in rows if log else ():
+            log.step(row)
+        stops.stop()
     # model.pt is the model rank 0 evaluated last (the last step is always evaluated): the servers'
     # final values with the workers' averaged BatchNorm statistics, so it scores what eval.csv says
     saved = ctx.checkpoints.save_model(ctx.evaluations.model()) if ctx.rank == 0 else None

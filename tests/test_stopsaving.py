@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import interrupt_when, mpiexec, run_script
+from conftest import interrupt_when, metrics_rows, mpiexec, run_script
 
 from psgrad import checkpoint
 
@@ -34,8 +34,8 @@ def _train(n: int, *options: str, timeout: float = 240) -> subprocess.CompletedP
 def test_a_sigterm_is_saved_after_an_agreed_step_and_resumes_bit_exact(tmp_path, n, options, boundary):
     """SIGTERM to every rank mid-run: the ranks stop after one step, every rank's state in a
     checkpoint of that step (after an exchange, with local steps), and resuming it ends with the
-    model of an uninterrupted run with the same checkpoints, bit for bit. Before, the steps since
-    the last periodic checkpoint were lost."""
+    model of an uninterrupted run with the same checkpoints, bit for bit; metrics.csv holds every
+    step trained. Before, the steps since the last periodic checkpoint were lost."""
     common = ["--model", "mlp", "--lr", "0.01", "--steps", STEPS, "--eval-every-epochs", "0", "--no-progress", *options]
     common += ["--checkpoint-every-steps", "40"]
     log = tmp_path / "stopped"
@@ -53,6 +53,8 @@ def test_a_sigterm_is_saved_after_an_agreed_step_and_resumes_bit_exact(tmp_path,
     (step,) = saved
     assert step % boundary == 0 and step < int(STEPS), proc.stderr[-3000:]
     assert checkpoint.resolve(log) == log / f"ckpt-step{step}", proc.stderr[-3000:]
+    # every step trained is logged, the last ones too: a resumed run's time to accuracy needs them all
+    assert [int(row["step"]) for row in metrics_rows(log)] == list(range(step)), proc.stderr[-3000:]
     resumed = _train(n, "--resume", str(log))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # uninterrupted, with the same checkpoints: the exchange before each waits (engine/local.py)
