@@ -79,12 +79,16 @@ def common_target(runs: list[RunFigures]) -> float | None:
 
 def ranked(runs: list[RunFigures], target: float | None) -> list[dict]:
     """One record per run: its figures (rows and evaluations left out) with its time to
-    ``target`` (``target_steps``, ``target_seconds``, ``target_mb``: NaN when not reached) and
-    ``of_fastest``, ranked as the module says."""
+    ``target`` (``target_steps``, ``target_seconds``, ``target_mb``: NaN when not reached, or when
+    ``rows_missing``: its metrics.csv lacks steps before the target) and ``of_fastest``, ranked as
+    the module says."""
     records = []
     for run in runs:
-        record = {k: v for k, v in asdict(run).items() if k not in ("evals", "rows")}
-        reached = to_target(list(run.rows), list(run.evals), target) if target is not None and run.evaluated else {}
+        record = {k: v for k, v in asdict(run).items() if k not in ("evals", "rows")} | {"rows_missing": False}
+        try:
+            reached = to_target(list(run.rows), list(run.evals), target) if target is not None and run.evaluated else {}
+        except ValueError:  # steps missing from its metrics.csv (a job killed before it logged them)
+            reached, record["rows_missing"] = {}, True
         record.update({key: reached.get(key, math.nan) for key in ("target_steps", "target_seconds", "target_mb")})
         records.append(record)
     fastest = min((r["target_seconds"] for r in records if not math.isnan(r["target_seconds"])), default=math.nan)
@@ -131,6 +135,8 @@ def table(records: list[dict], target: float | None) -> str:
             time_ = f"{r['of_fastest']:.2f}x"
         elif math.isnan(r["best_acc"]):
             time_ = "never evaluated"
+        elif r["rows_missing"]:
+            time_ = "steps missing"
         else:
             time_ = "-" if target is None else "not reached"
         lines.append(

@@ -64,6 +64,7 @@ def test_the_command_prints_the_table_its_json_and_what_it_could_not_compare(tmp
     done = CliRunner().invoke(main, ["compare", str(tmp_path / "bench")])
     assert done.exit_code == 0, done.output
     lines = done.output.splitlines()
+    assert "steps missing" not in done.output, done.output
     assert lines[0].startswith("target: test accuracy 0.750, the highest every evaluated run reached")
     assert lines[2].startswith("sign --feedback ef (02-r1-sign)") and lines[2].endswith("1.00x")
     assert lines[3].startswith("01-r1-none") and lines[3].endswith("2.00x")
@@ -115,3 +116,19 @@ def test_a_run_is_labelled_by_what_sets_it_apart(tmp_path):
     (tmp_path / "ps").mkdir()
     (tmp_path / "ps" / "config.json").write_text(json.dumps({"codec": "none", "topology": "ps", "local_steps": 0}))
     assert run_label(tmp_path / "ps") == "none (ps)"
+
+
+def test_a_run_whose_metrics_miss_steps_is_said_so_and_the_others_still_rank(tmp_path):
+    """A job killed before it logged a step's row, then resumed, lacks that row: its time to the
+    target cannot be read, which its row says; the comparison of the others goes on. The whole
+    command used to fail on it."""
+    _run(tmp_path / "whole", step_seconds=1.0, accuracies={5: 0.8})
+    gap = _run(tmp_path / "gap", step_seconds=0.5, accuracies={5: 0.9})
+    lines = (gap / "metrics.csv").read_text().splitlines()
+    (gap / "metrics.csv").write_text("\n".join(lines[:3] + lines[4:]) + "\n")  # step 2's row is gone
+    done = CliRunner().invoke(main, ["compare", str(tmp_path / "whole"), str(gap)])
+    assert done.exit_code == 0, done.output
+    rows = done.output.splitlines()[2:4]
+    assert rows[0].startswith("whole") and rows[0].endswith("1.00x"), done.output
+    assert rows[1].startswith("gap") and rows[1].endswith("steps missing"), done.output
+    assert "steps missing: its metrics.csv lacks steps before the target" in done.output

@@ -217,10 +217,7 @@ def compare(log_dirs: tuple[str, ...], target_accuracy: float | None, json_path:
     except (FileNotFoundError, MetricsFileError) as err:
         raise click.UsageError(str(err)) from None
     target = target_accuracy if target_accuracy is not None else common_target(runs)
-    try:
-        records = ranked(runs, target)
-    except ValueError as err:  # an evaluation after steps the metrics file lacks
-        raise click.UsageError(str(err)) from None
+    records = ranked(runs, target)
     if json_path is not None:
         # NaN (not reached, never evaluated) as null: strict JSON readers refuse NaN
         plain = [{k: None if isinstance(v, float) and v != v else v for k, v in r.items()} for r in records]
@@ -234,6 +231,11 @@ def compare(log_dirs: tuple[str, ...], target_accuracy: float | None, json_path:
     click.echo(
         "seconds: wall time of training; to target: at the first evaluation that reached it (evaluate more often "
         "for a finer time: --eval-every-steps), evaluation pauses left out; MB: sent up and down, every worker"
+        + (
+            "; steps missing: its metrics.csv lacks steps before the target"
+            if any(r["rows_missing"] for r in records)
+            else ""
+        )
     )
     if len(data := {r["data"] for r in records if r["data"] != "?"}) > 1:
         click.echo(
