@@ -64,13 +64,17 @@ class StopTogether:
 
     def _noting(self, handler):
         def noted(signum: int, frame) -> None:
-            self.stopping = True
-            for _ in range(3):  # torch's handler may yet raise the news once, here, before it is replaced
+            # torch's SIGCHLD handler may yet raise a loader worker's death here, at any call or
+            # loop jump (where Python runs a pending handler): every call until the handler is
+            # replaced is inside a try, with room for two deaths (a loop there raised on its range())
+            try:
+                _stop_hearing_loader_workers()
+            except RuntimeError:
                 try:
                     _stop_hearing_loader_workers()
-                    break
                 except RuntimeError:
-                    continue
+                    _stop_hearing_loader_workers()
+            self.stopping = True
             handler(signum, frame)
 
         return noted
