@@ -92,6 +92,92 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
+class NotedStop:
+    """A rank's first SIGTERM noted, not raised (module docstring, 1): ``signum`` is the signal
+    noted (0 for none). ``until`` says in the rank's line what the rank waits for."""
+
+    def __init__(self, rank: int, *, until: str) -> None:
+        self.rank, self.until = rank, until
+        self.signum = 0
+        self._at = 0.0
+        self._timer: threading.Timer | None = None
+
+    def note(self, signum: int, frame: object) -> None:
+        """The signal handler: a second stop raises ``Terminated``."""
+        if not self.take(signum):
+            raise Terminated(signum)
+
+    def take(self, signum: int) -> bool:
+        """Note the first stop; False for a second one, which stops the rank at once."""
+        if self.signum:
+            return time.monotonic() - self._at < SAME_STOP  # within: the same stop delivered again
+        self.signum, self._at = signum, time.monotonic()
+        name = signal.Signals(signum).name
+        say(
+            f"[psgrad rank {self.rank}] {name}: stopping after a step {self.until} ({name} again stops at once, "
+            f"and so does a stop not agreed within {PATIENCE:.0f} s)"
+        )
+        # interrupt_main calls this handler again in the main thread, which then stops at once
+        self._timer = threading.Timer(PATIENCE, _thread.interrupt_main, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
+        return True
+
+    def agreed(self) -> None:
+        """The stop is agreed: no stop at once after ``PATIENCE`` (a second signal still is one)."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class StopVotes:
+    """Every rank's votes on a stop, on a communicator of their own (module docstring, 2-3):
+    ``start`` before a step, ``due`` after one; every rank must call both at every step."""
+
+    def __init__(self, channel: Channel, *, lag: int) -> None:
+        self.channel, self.lag = channel, lag
+        self.votes: deque[tuple[int, Handle, np.ndarray]] = deque()  # (the step it started before, ...)
+        self.next_vote, self.period = 0, 1  # every rank's schedule
+        self._since: tuple[int, float] | None = None  # the step and time of this rank's last vote
+
+    def start(self, step: int, *, noted: int) -> None:
+        """Before ``step``: start a vote of the signal ``noted`` (0 for none) when the schedule says so."""
+        if step < self.next_vote:
+            return
+        now = time.monotonic()
+        mean = 0.0 if self._since is None else (now - self._since[1]) / max(1, step - self._since[0])
+        self._since = (step, now)
+        vote = noted | int(mean * 1e6) << _SIGNAL_BITS
+        self.votes.append((step, *self.channel.iallgather_sizes(vote)))
+        self.next_vote = step + self.period
+
+    def due(self, step: int) -> np.ndarray | None:
+        """After ``step``: every rank's signal (0 for none) in the vote due now, None when none is;
+        the next votes' period follows the slowest rank's step time."""
+        if not self.votes or self.votes[0][0] + self.lag > step:
+            return None
+        votes = self._read()
+        slowest = int(votes.max()) >> _SIGNAL_BITS
+        if slowest > 0:  # 0: the first vote, before any step was timed
+            self.period = max(1, min(MAX_PERIOD, int(VOTE_SECONDS / (slowest * 1e-6))))
+        return votes & (1 << _SIGNAL_BITS) - 1
+
+    def drain(self) -> None:
+        """Read the votes still in flight (every rank, at a clean end)."""
+        while self.votes:
+            self._read()
+
+    def _read(self) -> np.ndarray:
+        _, handle, votes = self.votes.popleft()
+        handle.wait()
+        return votes
+
+
+def first_stop_after(step: int, *, boundary: int) -> int:
+    """The first step after ``step`` after which a checkpoint may be written (every ``boundary``)."""
+    after = step + 1
+    return after + (-(after + 1)) % boundary
+
+
 class StopSaving:
     """One rank's part of saving a stop (module docstring), when ``wanted`` and the run writes
     checkpoints and has several ranks; otherwise it does nothing. The decision is the same on
@@ -101,15 +187,10 @@ class StopSaving:
         self.transport, self.checkpoints = transport, checkpoints
         self.active = wanted and checkpoints.enabled and transport.size > 1
         self.lag, self.boundary = vote_lag(cfg), max(1, cfg.local_steps)
-        self.noted = 0  # the signal this rank noted, 0 for none
-        self._noted_at = 0.0
+        self.noted = NotedStop(transport.rank, until="every rank agrees on, with a checkpoint")
         self.signum = 0  # the agreed stop's signal
         self.signalled: list[int] = []  # ... and the ranks that noted it
-        self.votes: deque[tuple[int, Handle, np.ndarray]] = deque()  # (the step it started before, ...)
-        self.next_vote, self.period = 0, 1  # every rank's schedule (module docstring, 2-3)
-        self._since: tuple[int, float] | None = None  # the step and time of this rank's last vote
-        self.channel: Channel | None = None
-        self._timer: threading.Timer | None = None
+        self.votes: StopVotes | None = None
 
     @contextlib.contextmanager
     def during_steps(self) -> Iterator[StopSaving]:
@@ -117,50 +198,28 @@ class StopSaving:
         if not self.active:
             yield self
             return
-        self.channel = self.transport.dup()  # collective: every rank of the run is here
+        channel = self.transport.dup()  # collective: every rank of the run is here
+        self.votes = StopVotes(channel, lag=self.lag)
         try:
-            with stop_signals_to(self._note):
+            with stop_signals_to(self.noted.note):
                 yield self
         finally:
-            if self._timer is not None and not self.agreed:  # an agreed stop keeps it until ``stop``
-                self._timer.cancel()
-        while self.votes:  # not reached after an error: the job ends without its votes
-            self._read()
-        if self.noted and not self.agreed:
+            if not self.agreed:  # an agreed stop keeps its patience until ``stop``
+                self.noted.agreed()
+        self.votes.drain()  # not reached after an error: the job ends without its votes
+        if self.noted.signum and not self.agreed:
             say(f"[psgrad rank {self.transport.rank}] the run finished before its stop: nothing to save beyond it")
-        self.channel.free()
+        channel.free()
 
     @property
     def agreed(self) -> bool:
         """Whether the ranks agreed to stop (at ``checkpoints.stop_step``)."""
         return self.checkpoints.stop_step is not None
 
-    def _note(self, signum: int, frame: object) -> None:
-        if self.noted:
-            if time.monotonic() - self._noted_at < SAME_STOP:
-                return
-            raise Terminated(signum)  # a second stop: at once
-        self.noted, self._noted_at = signum, time.monotonic()
-        name = signal.Signals(signum).name
-        say(
-            f"[psgrad rank {self.transport.rank}] {name}: stopping after a step every rank agrees on, with a "
-            f"checkpoint ({name} again stops at once, and so does a stop not agreed within {PATIENCE:.0f} s)"
-        )
-        # interrupt_main calls this handler again in the main thread, which then stops at once
-        self._timer = threading.Timer(PATIENCE, _thread.interrupt_main, args=(signum,))
-        self._timer.daemon = True
-        self._timer.start()
-
     def before(self, step: int) -> None:
         """Start a vote when the schedule says so (2)."""
-        if self.channel is None or self.checkpoints.stop_step is not None or step < self.next_vote:
-            return
-        now = time.monotonic()
-        mean = 0.0 if self._since is None else (now - self._since[1]) / max(1, step - self._since[0])
-        self._since = (step, now)
-        vote = self.noted | int(mean * 1e6) << _SIGNAL_BITS
-        self.votes.append((step, *self.channel.iallgather_sizes(vote)))
-        self.next_vote = step + self.period
+        if self.votes is not None and not self.agreed:
+            self.votes.start(step, noted=self.noted.signum)
 
     def after(self, step: int) -> bool:
         """Read the vote due (3); True after the agreed step, whose checkpoint is written: the
@@ -168,16 +227,10 @@ class StopSaving:
         stop = self.checkpoints.stop_step
         if stop is not None:
             return step == stop
-        if not self.votes or self.votes[0][0] + self.lag > step:
-            return False
-        votes = self._read()
-        signals, slowest = votes & (1 << _SIGNAL_BITS) - 1, int(votes.max()) >> _SIGNAL_BITS
-        if slowest > 0:  # 0: the first vote, before any step was timed
-            self.period = max(1, min(MAX_PERIOD, int(VOTE_SECONDS / (slowest * 1e-6))))
-        if signals.any():
+        signals = self.votes.due(step) if self.votes is not None else None
+        if signals is not None and signals.any():
             self.signum, self.signalled = int(signals.max()), [int(r) for r in signals.nonzero()[0]]
-            after = step + 1
-            after += (-(after + 1)) % self.boundary  # the first step after which a checkpoint may be written
+            after = first_stop_after(step, boundary=self.boundary)
             if after < self.checkpoints.total - 1:  # else the run ends first, with its own checkpoint
                 self.checkpoints.stop_step = after
         return False
@@ -191,8 +244,3 @@ class StopSaving:
             saved=str(self.checkpoints.last_saved),
             signalled=self.signalled,
         )
-
-    def _read(self) -> np.ndarray:
-        _, handle, votes = self.votes.popleft()
-        handle.wait()
-        return votes
