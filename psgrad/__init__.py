@@ -30,6 +30,7 @@ _HOMES = {
     "worker_index": "psgrad.userloop",
     "is_worker": "psgrad.userloop",
     "shutdown": "psgrad.userloop",
+    "should_stop": "psgrad.userloop",
     "shard": "psgrad.userloop",
     "DistributedOptimizer": "psgrad.userloop",
     "ddp_hook": "psgrad.ddpcomm",

@@ -113,6 +113,12 @@ class Transport(Channel):
         """A transport on a duplicate of this communicator (its own matching space for collectives)."""
         return Transport(self.comm.Dup())
 
+    def split(self, *, member: bool) -> Transport | None:
+        """A transport over the ranks that are ``member``, in this one's order (collective over
+        every rank of this communicator; None on the others)."""
+        comm = self.comm.Split(0 if member else MPI.UNDEFINED, key=self.rank)
+        return Transport(comm) if member else None
+
     def free(self) -> None:
         """Release a communicator made by ``dup`` (collective over its ranks, like ``dup``)."""
         if self.comm != MPI.COMM_WORLD:

@@ -3,6 +3,7 @@ wrapped in ``DistributedOptimizer``. ``psgrad.train.run`` stays the loop that is
 
 from .broadcast import average, average_buffers, broadcast_optimizer_state, broadcast_parameters, shard
 from .optimizer import DistributedOptimizer
+from .savedstop import should_stop
 from .world import init, is_worker, num_workers, rank, shutdown, size, worker_index
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "num_workers",
     "rank",
     "shard",
+    "should_stop",
     "shutdown",
     "size",
     "worker_index",

@@ -172,6 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._next_local_step()
         now = time.monotonic()  # the watchdog's default timeout grows with the slowest step
         self._world.slowest_step, self._stepped = max(self._world.slowest_step, now - self._stepped), now
+        if self._world.saved is not None:  # the workers' vote on a saved stop (userloop/savedstop.py)
+            self._world.saved.stepped()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -16,6 +16,10 @@ on to every other rank, and the job ends once every rank has run its ``finally``
    rank then aborts the job. Before, a rank with nothing to do on its way (a serving rank) aborted
    the job at once, and cut the others' ``finally`` blocks short: a worker's checkpoint save.
 A rank that stops no longer hears of DataLoader workers killed by the same signal.
+5. A saved stop (``psgrad.should_stop``, userloop/savedstop.py) changes 3 for SIGTERM: a worker
+   that asks (``absorb``) takes its first SIGTERM itself, and tells the serving-only ranks
+   (``ARMED``); such a serving rank notes its own first SIGTERM, tells the workers that asked
+   (``NOTED``), and serves on until they stop. A stop passed on by a rank still stops at once.
 ``where_it_stopped`` reads a stop's traceback for the line each rank says.
 """
 
@@ -27,16 +31,24 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from ..comm.transport import Transport
 from ..comm.waiting import Backoff, Patience
+from ..metrics import say
 from ..runtime import signals
 from ..runtime.signals import STOP_SIGNALS
+from ..stopsaving import SAME_STOP
 
 GRACE_SECONDS = 30.0  # Slurm's default KillWait: its SIGKILL follows the SIGTERM 30 s later
 _TAG = 9
 _POLL_SECONDS = 0.05
 _OWN_SIGNAL_FIRST_SECONDS = 1.0
+ARMED = 1 << 8
+"""A worker's notice to the serving-only ranks: it saves its stops (module docstring, 5)."""
+NOTED = 2 << 8
+"""A serving-only rank's notice to the workers that save their stops: ``NOTED | signal``."""
+_SIGNAL = 0xFF
 
 
 class StopTogether:
@@ -47,6 +59,11 @@ class StopTogether:
         self.rank, self.size = transport.rank, transport.size
         self.stopping = False
         self.passed_from: int | None = None
+        self.absorb: Callable[[int], bool] | None = None  # a worker's saved stop: whether it took a SIGTERM
+        self.saving: list[int] = []  # on a serving-only rank, the workers that save their stops (ARMED)
+        self.noted_by_server = 0  # on a worker, a serving-only rank's noted signal (NOTED)
+        self._noted_at = 0.0  # when this serving-only rank noted its own
+        self._sent: list = []  # notices on their way: an MPI send's buffer must outlive it
         peers = [r for r in range(self.size) if r != self.rank]
         self._notices = [self.comm.irecv(8, source=r, tag=_TAG) for r in peers]
         self._done = threading.Event()
@@ -64,6 +81,8 @@ class StopTogether:
 
     def _noting(self, handler):
         def noted(signum: int, frame) -> None:
+            if signum in STOP_SIGNALS and self.passed_from is None and self._takes(signum):
+                return  # to be saved (module docstring, 5)
             # torch's SIGCHLD handler may yet raise a loader worker's death here, at any call or
             # loop jump (where Python runs a pending handler): every call until the handler is
             # replaced is inside a try, with room for two deaths (a loop there raised on its range())
@@ -84,12 +103,44 @@ class StopTogether:
         while not self._done.wait(_POLL_SECONDS):
             for i in self.comm.test_some(self._notices):
                 notice = self._notices[i]
-                heard = heard or (notice.peer, int.from_bytes(notice.payload(), "little"), time.monotonic())
+                value = int.from_bytes(notice.payload(), "little")
+                if value & ~_SIGNAL in (ARMED, NOTED):  # a saved stop's: more notices may follow
+                    self._notices[i] = self.comm.irecv(8, source=notice.peer, tag=_TAG)
+                    if value & ~_SIGNAL == ARMED:
+                        self.saving.append(notice.peer)
+                    else:
+                        self.noted_by_server = value & _SIGNAL
+                    continue
+                heard = heard or (notice.peer, value, time.monotonic())
             # a Ctrl-C reached every rank at once, but a rank inside a long torch call runs its
             # handler only after it: given a moment, it stops by its own signal, not one passed on
             if heard and not self.stopping and time.monotonic() - heard[2] >= _OWN_SIGNAL_FIRST_SECONDS:
                 self.stopping, self.passed_from = True, heard[0]
                 signal.pthread_kill(threading.main_thread().ident, heard[1])
+
+    def tell(self, value: int, *, ranks: list[int]) -> None:
+        """Send ``value`` (``ARMED``, ``NOTED | signal``) to each of ``ranks``."""
+        notice = value.to_bytes(8, "little")
+        self._sent = [h for h in self._sent if not h.test()]
+        self._sent += [self.comm.isend(notice, r, _TAG) for r in ranks]
+
+    def _takes(self, signum: int) -> bool:
+        """Whether this rank takes a SIGTERM itself, to be saved (module docstring, 5): a worker
+        that asked, or a serving-only rank the workers asked to note its first one."""
+        if self.absorb is not None:
+            return self.absorb(signum)
+        if not self.saving:
+            return False
+        if self._noted_at:
+            return time.monotonic() - self._noted_at < SAME_STOP  # within: the same stop delivered again
+        self._noted_at = time.monotonic()
+        name = signal.Signals(signum).name
+        say(
+            f"[psgrad rank {self.rank}] {name}: serving until the workers stop after a step they agree on "
+            f"(psgrad.should_stop()); {name} again stops at once"
+        )
+        self.tell(NOTED | signum, ranks=self.saving)
+        return True
 
     def stop(self, signum: int, *, grace: float = GRACE_SECONDS) -> None:
         """Tell every other rank of this rank's stop by ``signum`` (unless it heard of it from one),

@@ -33,6 +33,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,9 @@ from ..startup import prepare
 from .local import coded_change_note
 from .stopping import StopTogether, where_it_stopped
 
+if TYPE_CHECKING:
+    from .savedstop import SavedStop
+
 ABORT_GRACE_SECONDS = 0.5
 """How long a failing rank waits between printing its error and aborting the job."""
 
@@ -79,6 +83,8 @@ class World:
     doing_in_psgrad: Callable[[], str] = lambda: ""  # the engine's last words, for a stop inside psgrad's code
     slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
     stops: StopTogether | None = None  # the ranks' stop together after a signal
+    workers: Transport | None = None  # the workers alone (a worker's), for saved stops' votes
+    saved: SavedStop | None = None  # a worker's saved stops, once it asked (userloop/savedstop.py)
 
     def watch(self) -> None:
         """Start the watchdog (collective: every rank, in ``init``)."""
@@ -126,6 +132,7 @@ def init(**settings) -> None:
     sys.excepthook = _end_job_on_error(sys.excepthook)  # a server's error too: it raises out of init
     stop_signals_raise_from_now()  # SIGTERM as Ctrl-C: said by every rank, where the default dies without a word
     _WORLD.stops = StopTogether(transport).start()  # after the handlers above: it notes their stops
+    _WORLD.workers = transport.split(member=layout.is_worker(transport.rank))  # collective
     if not layout.is_worker(transport.rank):
         _serve(_WORLD)  # does not return
     atexit.register(_shutdown_at_exit)
@@ -323,10 +330,9 @@ def shutdown(*, leave_mpi: bool = True) -> None:
 
 
 def layer_plan(w: World, named_shapes: list[tuple[str, tuple[int, ...]]] | None) -> list | None:
-    """The layers every rank agrees on, from the first worker's model (collective: the servers
-    take it from the broadcast; a worker whose model differs raises). ``named_shapes`` None: this
-    worker ends without a ``DistributedOptimizer`` (``shutdown``); the plan is None when the first
-    worker built none, and a worker that built one while the first did not (or the reverse) raises."""
+    """The layers every rank agrees on, from the first worker's model (collective; a worker whose
+    model differs raises). ``named_shapes`` None: this worker ends without a ``DistributedOptimizer``;
+    the plan is None when the first worker built none (a worker that did while it did not raises)."""
     root, rank = w.layout.worker_ranks[0], w.transport.rank
     sent = json.dumps(named_shapes).encode() if rank == root else None
     theirs = json.loads(w.transport.broadcast_bytes(sent, root=root))

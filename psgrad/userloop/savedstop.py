@@ -1,0 +1,98 @@
+"""``psgrad.should_stop()``: a SIGTERM in your own loop is saved, not lost. The workers agree on a
+step, each saves its state after it, and the job ends as your script ends.
+
+1. The first ``should_stop()`` on a worker (after a ``step()``) asks for it: from then on, the
+   worker's first SIGTERM is noted, not raised (stopsaving.NotedStop: a second one, or none agreed
+   within ``PATIENCE`` seconds, stops the job at once as before), and the serving-only ranks are
+   told to note theirs too (userloop/stopping.py, 5): they serve on and tell the workers.
+2. At the end of every ``DistributedOptimizer.step()``, every worker that asked takes part in the
+   workers' votes, as ``psgrad train``'s ranks do (stopsaving.StopVotes, on a communicator of the
+   workers alone): a vote carries the signal this worker noted, or the one a serving rank noted,
+   and is read ``MIN_LAG`` steps later, when every worker has started it (the workers step together).
+3. A vote with a signal in it is the agreed stop: after that step, ``should_stop()`` is True on
+   every worker. Your loop saves (``state_dict()`` is whole after any ``step()``) and ends.
+4. At ``shutdown`` the votes still in flight are read (every worker that asked, at the same step).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from ..comm.transport import Transport
+from ..metrics import say
+from ..stopsaving import MIN_LAG, NotedStop, StopVotes
+from .stopping import ARMED, StopTogether
+from .world import world
+
+_HEARD = 1 << 7  # a vote's flag: the signal is a serving rank's, not this worker's (signals < 128)
+
+
+class SavedStop:
+    """One worker's part (module docstring); ``channel`` holds the workers alone, in the order of
+    ``worker_ranks``; ``servers`` are the serving-only ranks."""
+
+    def __init__(self, *, channel: Transport, stops: StopTogether, worker_ranks: list[int], servers: list[int]) -> None:
+        self.channel, self.stops = channel, stops
+        self.worker_ranks, self.servers = worker_ranks, servers
+        self.asked = False
+        self.noted = NotedStop(stops.rank, until="every worker agrees on: psgrad.should_stop() then says so")
+        self.votes = StopVotes(channel, lag=MIN_LAG)
+        self.steps = 0  # the DistributedOptimizer's steps since this worker asked
+        self.agreed = False
+
+    def ask(self) -> None:
+        """From now on, SIGTERM is saved (1)."""
+        if self.asked:
+            return
+        self.asked = True
+        self.stops.absorb = self.noted.take
+        self.stops.tell(ARMED, ranks=self.servers)
+
+    def stepped(self) -> None:
+        """At the end of a step: read the vote due, start the next (2-3)."""
+        if not self.asked or self.agreed:
+            return
+        signals = self.votes.due(self.steps)
+        if signals is not None and signals.any():
+            self._agree(signals)
+            return
+        self.steps += 1
+        noted = self.noted.signum or (self.stops.noted_by_server and self.stops.noted_by_server | _HEARD)
+        self.votes.start(self.steps, noted=noted)
+
+    def _agree(self, signals) -> None:
+        """The agreed stop: each worker says it, once (3)."""
+        self.agreed = True
+        self.noted.agreed()
+        own = [self.worker_ranks[i] for i, s in enumerate(signals) if s and not s & _HEARD]
+        name = signal.Signals(int(max(signals)) & ~_HEARD).name
+        where = f"on rank{'s' * (len(own) > 1)} {', '.join(map(str, own))}" if own else "on a serving rank"
+        say(
+            f"[psgrad rank {self.stops.rank}] {name} {where}: every worker stops after this step "
+            "(psgrad.should_stop() is True): save and end your loop"
+        )
+
+    def close(self) -> None:
+        """At ``shutdown``: read the votes in flight (4)."""
+        if not self.asked:
+            return
+        self.votes.drain()
+        self.noted.agreed()
+        if self.noted.signum and not self.agreed:
+            say(f"[psgrad rank {self.stops.rank}] your loop ended before its stop: nothing to save beyond it")
+
+
+def should_stop() -> bool:
+    """Whether every worker stops after this step, its state to be saved: a SIGTERM reached the
+    job (module docstring). Call it on every worker after each ``step()``; the first call asks
+    for saved stops, and the job's SIGTERMs are noted from then on, not raised."""
+    w = world()
+    if w.saved is None:
+        if w.workers is None or w.stops is None:
+            raise RuntimeError("psgrad.should_stop() is for the workers, after psgrad.init")
+        layout = w.layout
+        servers = [r for r in layout.server_ranks if not layout.is_worker(r)]
+        w.saved = SavedStop(channel=w.workers, stops=w.stops, worker_ranks=layout.worker_ranks, servers=servers)
+        w.saved.ask()
+        w.closers.insert(0, w.saved.close)  # at shutdown, before the optimizer's traffic ends
+    return w.saved.agreed

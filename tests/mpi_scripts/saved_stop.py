@@ -1,0 +1,51 @@
+"""A saved stop in your own loop (psgrad/userloop/savedstop.py), the way docs/api.md shows it.
+
+Usage: mpiexec -n N python saved_stop.py OUT TOPOLOGY MODE [END]
+
+Mode ``stop`` trains until ``psgrad.should_stop()`` says to stop (after a SIGTERM the test sends),
+saying on stderr when every worker has taken steps; each worker then saves its model, optimizer
+and step in OUT/ckpt-<rank>.pt and ends. Mode ``resume`` loads that checkpoint and trains on to
+step END; mode ``straight`` trains steps 0..END-1 without a stop. Both save each worker's model in
+OUT/<mode>-<rank>.pt, and the two must be equal bit for bit. Mode ``unasked`` trains as ``stop``
+but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved stops.
+"""
+
+import sys
+from itertools import count
+from pathlib import Path
+
+import torch
+from userloop import make_model, sgd, train
+
+import psgrad
+
+
+def main() -> None:
+    out, topology, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    end = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    out.mkdir(parents=True, exist_ok=True)
+    psgrad.init(topology=topology, codec="topk:ratio=0.2", feedback="ef")
+    model = make_model()
+    opt = psgrad.DistributedOptimizer(sgd(model), model)
+    saved = out / f"ckpt-{psgrad.rank()}.pt"
+    if mode in ("stop", "unasked"):
+        for step in count():
+            train(model, opt, [step])
+            if step == 3:
+                print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
+            if mode == "stop" and psgrad.should_stop():
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, saved)
+                break
+        return
+    start = 0
+    if mode == "resume":
+        state = torch.load(saved, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+    train(model, opt, range(start, end))
+    torch.save(model.state_dict(), out / f"{mode}-{psgrad.rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()

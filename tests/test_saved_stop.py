@@ -1,0 +1,84 @@
+"""A SIGTERM in your own loop is saved, not lost, once the loop asks ``psgrad.should_stop()``
+(psgrad/userloop/savedstop.py): every worker stops after the same step, saves, and resumes to the
+model of an uninterrupted run, bit for bit, whichever rank the signal reached."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, interrupt_when, mpiexec, run_script
+
+SCRIPT = "saved_stop.py"
+RANKS = {"ps": 3, "colocated": 2}
+MORE = 4  # steps trained after the stop, resumed and straight
+
+
+def _stopped(tmp_path, topology: str, *, to: str | None):
+    """Run the loop until a SIGTERM to every process (``to`` None), to the last worker
+    (``"worker"``) or to the serving rank (``"server"``); every worker's saved step."""
+
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(RANKS[topology]),
+        sys.executable,
+        str(SCRIPTS / SCRIPT),
+        str(tmp_path),
+        topology,
+        "stop",
+    ]
+    role = {"worker": RANKS[topology] - 1, "server": 0}.get(to or "")
+
+    def pid(err: str) -> int:
+        return int(re.search(rf"\b{role}=[a-z+]+:(\d+)", err).group(1))
+
+    trains = f"worker {RANKS[topology] - 2} trains"
+    proc = interrupt_when(cmd, lambda err: trains in err, tmp_path / "err", timeout=120, sig=signal.SIGTERM,
+                          target=pid if to else None)  # fmt: skip
+    workers = range(RANKS[topology] - 2, RANKS[topology])
+    saved = [tmp_path / f"ckpt-{rank}.pt" for rank in workers]
+    assert proc.returncode == 0 and all(path.exists() for path in saved), proc.stderr[-3000:]
+    steps = {torch.load(path, weights_only=True)["step"] for path in saved}
+    assert len(steps) == 1, (steps, proc.stderr[-3000:])
+    agreed = re.findall(r"^\[psgrad rank (\d)\] SIGTERM on (.*?): every worker stops after this step", proc.stderr,
+                        re.MULTILINE)  # fmt: skip
+    assert sorted(int(rank) for rank, _ in agreed) == list(workers), proc.stderr[-3000:]
+    return steps.pop(), {on for _, on in agreed}, proc.stderr
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_sigterm_to_every_rank_is_saved_after_one_step_and_resumes_bit_exact(tmp_path, topology):
+    """A scheduler's SIGTERM to every process: each worker saves after the same step, the job ends
+    with the script (status 0), and the resumed run ends with the model of a run never stopped
+    (compression memories and momentum included), bit for bit."""
+    step, _, err = _stopped(tmp_path, topology, to=None)
+    assert "Traceback" not in err, err[-3000:]
+    end = str(step + 1 + MORE)
+    for mode in ("resume", "straight"):
+        proc = run_script(SCRIPT, str(tmp_path), topology, mode, end, n=RANKS[topology], timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(RANKS[topology] - 2, RANKS[topology]):
+        resumed = torch.load(tmp_path / f"resume-{rank}.pt", weights_only=True)
+        straight = torch.load(tmp_path / f"straight-{rank}.pt", weights_only=True)
+        for name, value in straight.items():
+            torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.parametrize("topology, to", [("ps", "worker"), ("colocated", "worker"), ("ps", "server")])
+def test_a_sigterm_to_one_rank_stops_every_worker_after_the_same_step(tmp_path, topology, to):
+    """``kill PID`` of one worker, or of the serving rank (which serves on and tells the workers):
+    every worker stops after the same step, saying which rank the signal reached."""
+    _, said, _ = _stopped(tmp_path, topology, to=to)
+    assert said == ({"a serving rank"} if to == "server" else {f"rank {RANKS[topology] - 1}"}), said
+
+
+def test_a_loop_that_does_not_ask_stops_at_once(tmp_path):
+    """Without ``should_stop()`` a SIGTERM stops the job at once, with the signal's status."""
+    cmd = [mpiexec(), "-n", "3", sys.executable, str(SCRIPTS / SCRIPT), str(tmp_path), "ps", "unasked"]
+    proc = interrupt_when(cmd, lambda err: "worker 1 trains" in err, tmp_path / "err", timeout=120, sig=signal.SIGTERM)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "every worker stops after this step" not in proc.stderr, proc.stderr[-3000:]
