@@ -70,7 +70,7 @@ def interrupt_when(
     """Start ``cmd`` in a process group of its own, poll ``ready(stderr so far)`` until it holds,
     then send ``sig`` to the whole group (SIGINT: what Ctrl-C in a terminal does), with ``group``
     False to ``cmd``'s process alone (``kill PID``), or to the process ``target(stderr so far)``
-    names (one rank), and wait for the end; a command that never gets ready or never ends fails
+    names (one rank; or the processes, a list), and wait for the end; a command that never gets ready or never ends fails
     the test at ``timeout``. Standard error goes through ``err_file`` so it can be read while the
     command runs."""
     import time
@@ -88,7 +88,9 @@ def interrupt_when(
             time.sleep(0.1)
         segments = mpi_segments(descendants(proc.pid))
         if target is not None:
-            os.kill(target(err_file.read_text()), sig)
+            targets = target(err_file.read_text())
+            for pid in [targets] if isinstance(targets, int) else targets:
+                os.kill(pid, sig)
         elif group:
             os.killpg(proc.pid, sig)
         else:

@@ -7,15 +7,21 @@ saying on stderr when every worker has taken steps; each worker then saves its m
 and step in OUT/ckpt-<rank>.pt and ends. Mode ``resume`` loads that checkpoint and trains on to
 step END; mode ``straight`` trains steps 0..END-1 without a stop. Both save each worker's model in
 OUT/<mode>-<rank>.pt, and the two must be equal bit for bit. Mode ``unasked`` trains as ``stop``
-but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved stops.
+but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved stops. Mode
+``stop_loader`` is ``stop`` taking its batches from a DataLoader with a worker process, which
+ignores SIGTERM (``keep_on_sigterm``, as docs/api.md shows) so that the loop can go on to its stop.
 """
 
+import signal
 import sys
+import time
 from itertools import count
 from pathlib import Path
 
 import torch
-from userloop import make_model, sgd, train
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from userloop import batch, make_model, sgd, train
 
 import psgrad
 
@@ -28,6 +34,8 @@ def main() -> None:
     model = make_model()
     opt = psgrad.DistributedOptimizer(sgd(model), model)
     saved = out / f"ckpt-{psgrad.rank()}.pt"
+    if mode == "stop_loader":
+        return stop_loader(model, opt, saved)
     if mode in ("stop", "unasked"):
         for step in count():
             train(model, opt, [step])
@@ -45,6 +53,29 @@ def main() -> None:
         start = state["step"] + 1
     train(model, opt, range(start, end))
     torch.save(model.state_dict(), out / f"{mode}-{psgrad.rank()}.pt")
+
+
+def keep_on_sigterm(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a scheduler's SIGTERM: the loop saves, then ends
+
+
+def stop_loader(model, opt, saved: Path) -> None:
+    images, labels = batch(psgrad.worker_index(), 0)
+    data = TensorDataset(images.repeat(64, 1, 1, 1), labels.repeat(64))
+    # one batch ahead: the stop, some steps after the signal, needs batches the worker made after it
+    loader = DataLoader(data, batch_size=8, num_workers=1, prefetch_factor=1, worker_init_fn=keep_on_sigterm)
+    for epoch in count():
+        for step, (x, y) in enumerate(loader):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if epoch == 1 and step == 20:  # the loader's worker is well under way
+                print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
+            if epoch >= 1 and step >= 20:
+                time.sleep(0.3)  # a step as long as a real one: the stop comes a few batches later
+            if psgrad.should_stop():
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, saved)
+                return
 
 
 if __name__ == "__main__":
