@@ -273,7 +273,8 @@ def test_a_stop_in_your_code_is_said_to_be_in_your_loop():
     from psgrad.runtime.signals import _raise_terminated
     from psgrad.userloop.stopping import StopTogether, where_it_stopped
 
-    noted = StopTogether._noting(types.SimpleNamespace(stopping=False), _raise_terminated)
+    unasked = types.SimpleNamespace(stopping=False, passed_from=None, _takes=lambda signum: False)
+    noted = StopTogether._noting(unasked, _raise_terminated)
     for handler in (noted, _raise_terminated):
         with pytest.raises(KeyboardInterrupt) as stopped:
             handler(signal.SIGTERM, None)  # as Python runs it, on this line

@@ -37,6 +37,7 @@ from ..engine import downmemory
 from ..engine.serving import SyncServer
 from ..engine.worker import Worker
 from ..metrics import say
+from . import savedstop
 from .broadcast import broadcast_parameters
 from .local import OuterSteps
 from .world import World, context, layer_plan, world
@@ -172,8 +173,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._next_local_step()
         now = time.monotonic()  # the watchdog's default timeout grows with the slowest step
         self._world.slowest_step, self._stepped = max(self._world.slowest_step, now - self._stepped), now
-        if self._world.saved is not None:  # the workers' vote on a saved stop (userloop/savedstop.py)
-            self._world.saved.stepped()
+        savedstop.stepped()  # the workers' vote on a saved stop, once they asked
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

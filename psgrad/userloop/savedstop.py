@@ -86,13 +86,23 @@ def should_stop() -> bool:
     """Whether every worker stops after this step, its state to be saved: a SIGTERM reached the
     job (module docstring). Call it on every worker after each ``step()``; the first call asks
     for saved stops, and the job's SIGTERMs are noted from then on, not raised."""
-    w = world()
-    if w.saved is None:
+    global _SAVED
+    if _SAVED is None:
+        w = world()
         if w.workers is None or w.stops is None:
             raise RuntimeError("psgrad.should_stop() is for the workers, after psgrad.init")
         layout = w.layout
         servers = [r for r in layout.server_ranks if not layout.is_worker(r)]
-        w.saved = SavedStop(channel=w.workers, stops=w.stops, worker_ranks=layout.worker_ranks, servers=servers)
-        w.saved.ask()
-        w.closers.insert(0, w.saved.close)  # at shutdown, before the optimizer's traffic ends
-    return w.saved.agreed
+        _SAVED = SavedStop(channel=w.workers, stops=w.stops, worker_ranks=layout.worker_ranks, servers=servers)
+        _SAVED.ask()
+        w.closers.insert(0, _SAVED.close)  # at shutdown, before the optimizer's traffic ends
+    return _SAVED.agreed
+
+
+def stepped() -> None:
+    """At the end of ``DistributedOptimizer.step()``: this worker's part of the vote, once it asked."""
+    if _SAVED is not None:
+        _SAVED.stepped()
+
+
+_SAVED: SavedStop | None = None

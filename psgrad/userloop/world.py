@@ -33,7 +33,6 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +57,6 @@ from ..startup import prepare
 from .local import coded_change_note
 from .stopping import StopTogether, where_it_stopped
 
-if TYPE_CHECKING:
-    from .savedstop import SavedStop
-
 ABORT_GRACE_SECONDS = 0.5
 """How long a failing rank waits between printing its error and aborting the job."""
 
@@ -84,7 +80,6 @@ class World:
     slowest_step: float = 0.0  # seconds, between two of the optimizer's steps
     stops: StopTogether | None = None  # the ranks' stop together after a signal
     workers: Transport | None = None  # the workers alone (a worker's), for saved stops' votes
-    saved: SavedStop | None = None  # a worker's saved stops, once it asked (userloop/savedstop.py)
 
     def watch(self) -> None:
         """Start the watchdog (collective: every rank, in ``init``)."""

@@ -4,12 +4,13 @@ Usage: mpiexec -n N python saved_stop.py OUT TOPOLOGY MODE [END]
 
 Mode ``stop`` trains until ``psgrad.should_stop()`` says to stop (after a SIGTERM the test sends),
 saying on stderr when every worker has taken steps; each worker then saves its model, optimizer
-and step in OUT/ckpt-<rank>.pt and ends. Mode ``resume`` loads that checkpoint and trains on to
+and step in OUT/ckpt-<rank>.pt and exits with status 143. Mode ``resume`` loads that checkpoint and trains on to
 step END; mode ``straight`` trains steps 0..END-1 without a stop. Both save each worker's model in
 OUT/<mode>-<rank>.pt, and the two must be equal bit for bit. Mode ``unasked`` trains as ``stop``
 but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved stops. Mode
 ``stop_loader`` is ``stop`` taking its batches from a DataLoader with a worker process, which
-ignores SIGTERM (``keep_on_sigterm``, as docs/api.md shows) so that the loop can go on to its stop.
+ignores SIGTERM (``keep_on_sigterm``, as docs/api.md shows) so that the loop can go on to its stop;
+it returns after saving (status 0).
 """
 
 import signal
@@ -43,7 +44,7 @@ def main() -> None:
                 print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
             if mode == "stop" and psgrad.should_stop():
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, saved)
-                break
+                sys.exit(143)  # the signal's status, for the scheduler
         return
     start = 0
     if mode == "resume":
