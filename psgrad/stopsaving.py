@@ -201,7 +201,7 @@ class StopSaving:
         channel = self.transport.dup()  # collective: every rank of the run is here
         self.votes = StopVotes(channel, lag=self.lag)
         try:
-            with stop_signals_to(self.noted.note):
+            with stop_signals_to(self._note):
                 yield self
         finally:
             if not self.agreed:  # an agreed stop keeps its patience until ``stop``
@@ -215,6 +215,9 @@ class StopSaving:
     def agreed(self) -> bool:
         """Whether the ranks agreed to stop (at ``checkpoints.stop_step``)."""
         return self.checkpoints.stop_step is not None
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.noted.note(signum, frame)
 
     def before(self, step: int) -> None:
         """Start a vote when the schedule says so (2)."""
