@@ -13,12 +13,10 @@ from dataclasses import KW_ONLY, asdict, dataclass, field
 
 from ..comm.protocol import TIME_KEYS
 from ..roles import topology_of
+from ..runlogs import NAN
 from .baselines import BASELINES
 
 BREAKDOWN = TIME_KEYS
-
-
-NAN = float("nan")
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""What ``psgrad.should_stop()`` costs your own loop, and how long a saved stop takes.
+
+Usage: python benchmarks/saved-stop.py [--rounds 3] [--steps 60] [--out runs/saved-stop]
+
+WRN-16-4 on CIFAR-shaped synthetic batches of 16, two colocated ranks (``mpiexec -n 2``), codec
+``powersgd:rank=8``, trained by a plain torch loop with ``psgrad.DistributedOptimizer``:
+1. The cost: ``--steps`` steps with ``should_stop()`` after each and as many without, alternated
+   over ``--rounds`` rounds; the ratio of their steps per second (the first 10 steps of each left
+   out: the start-up).
+2. The stop: the loop with ``should_stop()`` until a SIGTERM to mpiexec (which passes it to every
+   rank) 10 steps in; the seconds from the signal to the job's end, the checkpoint of every
+   worker written, and the steps taken after the signal.
+Prints the CPU, the command and a table; ``loop`` is the script each rank runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WARM = 10  # steps left out of the rate: the start-up
+
+
+def loop(out: Path, *, ask: bool, steps: int) -> None:
+    """One rank's loop (``mpiexec -n 2 python saved-stop.py loop ...``)."""
+    import torch
+    import torch.nn.functional as F
+
+    import psgrad
+    from psgrad.models import build_model, seeded_model
+
+    psgrad.init(codec="powersgd:rank=8", topology="colocated")
+    torch.set_num_threads(1)
+    model = seeded_model(lambda: build_model("wrn", 100, depth=16, widen_factor=4), seed=0)
+    opt = psgrad.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    gen = torch.Generator().manual_seed(psgrad.worker_index())
+    images, labels = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 100, (16,), generator=gen)
+    started = None
+    for step in range(steps or 10**9):
+        if step == WARM:
+            started = time.perf_counter()
+            print(f"worker {psgrad.worker_index()} at step {step}", file=sys.stderr, flush=True)
+        opt.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        opt.step()
+        if ask and psgrad.should_stop():
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / f"ckpt-{psgrad.rank()}.pt")
+            print(f"worker {psgrad.worker_index()} saved after step {step}", file=sys.stderr, flush=True)
+            return
+    if psgrad.worker_index() == 0:
+        print(f"rate {(steps - WARM) / (time.perf_counter() - started):.4f}", flush=True)
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def _command(out: Path, *, ask: bool, steps: int) -> list[str]:
+    script = os.path.abspath(__file__)
+    return [_mpiexec(), "-n", "2", sys.executable, script, "loop", str(out), str(int(ask)), str(steps)]
+
+
+def _rate(out: Path, *, ask: bool, steps: int) -> float:
+    proc = subprocess.run(_command(out, ask=ask, steps=steps), capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"the loop failed:\n{proc.stderr[-3000:]}")
+    return float(re.search(r"rate ([\d.]+)", proc.stdout).group(1))
+
+
+def _stop(out: Path) -> tuple[float, int, str]:
+    """SIGTERM to mpiexec 10 steps in: seconds to the job's end, steps after the signal, its stderr."""
+    err_path = out / "stop.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(_command(out, ask=True, steps=0), stderr=err, stdin=subprocess.DEVNULL)
+    while "worker 1 at step" not in err_path.read_text():
+        if proc.poll() is not None:
+            raise SystemExit(f"the loop ended before its signal:\n{err_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    seconds, text = time.monotonic() - signalled, err_path.read_text()
+    saved = [int(s) for s in re.findall(r"saved after step (\d+)", text)]
+    if proc.returncode != 0 or len(saved) != 2 or len(set(saved)) != 1:
+        raise SystemExit(f"the saved stop failed (status {proc.returncode}):\n{text[-3000:]}")
+    return seconds, saved[0] - WARM, text
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "loop":
+        return loop(Path(sys.argv[2]), ask=sys.argv[3] == "1", steps=int(sys.argv[4]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="pairs of runs, with and without should_stop()")
+    parser.add_argument("--steps", type=int, default=60, help="steps a run (the first 10 are left out)")
+    parser.add_argument("--out", type=Path, default=Path("runs/saved-stop"), help="where the checkpoints go")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"CPU: {_cpu()}; {' '.join(_command(args.out, ask=True, steps=args.steps))}", flush=True)
+    ratios = []
+    for round_ in range(args.rounds):
+        without = _rate(args.out, ask=False, steps=args.steps)
+        asked = _rate(args.out, ask=True, steps=args.steps)
+        ratios.append(asked / without)
+        print(f"round {round_ + 1}: {without:.3f} it/s without, {asked:.3f} it/s with should_stop()", flush=True)
+    seconds, after, _ = _stop(args.out)
+    print("| measured | value |\n|---|---|")
+    print(f"| it/s with should_stop() / without (median of {args.rounds}) | {sorted(ratios)[len(ratios) // 2]:.3f} |")
+    print(f"| seconds from SIGTERM to the job's end, checkpoints written | {seconds:.1f} |")
+    print(f"| steps taken after the signal | {after} |")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
