@@ -23,6 +23,9 @@ a checkpoint after it, and stop. A scheduler's preemption or time limit then cos
    checkpoint complete), and raises ``SavedStop``, which the failure path says
    (runtime/failure.py). A stop that would come at the run's last step lets the run finish instead.
 5. Without a stop, the votes still in flight are read at the end, and the communicator freed.
+``psgrad simulate``'s ranks are threads of one process, whose main thread alone takes signals: it
+notes a SIGTERM for every rank (``Channel.shared_stop``), the ranks vote on it as above, and the
+stop is said once, by rank 0.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ class NotedStop:
     """A rank's first SIGTERM noted, not raised (module docstring, 1): ``signum`` is the signal
     noted (0 for none). ``until`` says in the rank's line what the rank waits for."""
 
-    def __init__(self, rank: int, *, until: str) -> None:
-        self.rank, self.until = rank, until
+    def __init__(self, rank: int | None, *, until: str) -> None:
+        self.rank, self.until = rank, until  # rank None: the process's ranks (psgrad simulate)
         self.signum = 0
         self._at = 0.0
         self._timer: threading.Timer | None = None
@@ -114,7 +117,8 @@ class NotedStop:
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
         say(
-            f"[psgrad rank {self.rank}] {name}: stopping after a step {self.until} ({name} again stops at once, "
+            f"[psgrad{'' if self.rank is None else f' rank {self.rank}'}] {name}: stopping after a step {self.until} "
+            f"({name} again stops at once, "
             f"and so does a stop not agreed within {PATIENCE:.0f} s)"
         )
         # interrupt_main calls this handler again in the main thread, which then stops at once
@@ -187,7 +191,9 @@ class StopSaving:
         self.transport, self.checkpoints = transport, checkpoints
         self.active = wanted and checkpoints.enabled and transport.size > 1
         self.lag, self.boundary = vote_lag(cfg), max(1, cfg.local_steps)
-        self.noted = NotedStop(transport.rank, until="every rank agrees on, with a checkpoint")
+        # simulated ranks share their process's noted stop: its main thread alone takes signals
+        self.shared = transport.shared_stop()
+        self.noted = self.shared or NotedStop(transport.rank, until="every rank agrees on, with a checkpoint")
         self.signum = 0  # the agreed stop's signal
         self.signalled: list[int] = []  # ... and the ranks that noted it
         self.votes: StopVotes | None = None
@@ -207,7 +213,7 @@ class StopSaving:
             if not self.agreed:  # an agreed stop keeps its patience until ``stop``
                 self.noted.agreed()
         self.votes.drain()  # not reached after an error: the job ends without its votes
-        if self.noted.signum and not self.agreed:
+        if self.noted.signum and not self.agreed and (self.shared is None or self.transport.rank == 0):
             say(f"[psgrad rank {self.transport.rank}] the run finished before its stop: nothing to save beyond it")
         channel.free()
 

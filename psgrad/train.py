@@ -92,8 +92,9 @@ def run(
             loss_fn=loss_fn,
             optimizer_fn=optimizer_fn,
         )
-        # MPI ranks only: simulated ranks are threads of one process, which share its signals
-        saving = save_on_stop and isinstance(transport, Transport)
+        # simulated ranks are threads of one process, which share its signals: psgrad simulate
+        # notes them for every rank (transport.shared_stop), or none is saved
+        saving = save_on_stop and (isinstance(transport, Transport) or transport.shared_stop() is not None)
         result = _loop(ctx, where=where, keep_all_rows=keep_all_rows, at_step=watchdog.at_step, save_on_stop=saving)
     except BaseException as err:
         end_on_failure(err, transport=transport, watchdog=watchdog, log_dir=cfg.log_dir, doing=report().doing)

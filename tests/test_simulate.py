@@ -891,12 +891,13 @@ def test_simulate_starts_no_mpi(tmp_path):
 
 @pytest.mark.parametrize(
     "signal_name,said,status",
-    [("SIGINT", "interrupted", 130), ("SIGTERM", "terminated (SIGTERM)", 143)],
+    [("SIGINT", "interrupted\n", 130), ("SIGTERM", "terminated (SIGTERM) after step ", 143)],
 )
 def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(tmp_path, signal_name, said, status):
-    """Ctrl-C or SIGTERM during ``psgrad simulate``: one line, the newest complete checkpoint and
-    the --resume that continues it, status 128 + the signal; no rank's traceback (a worker whose
-    stacked pass the interrupt cut short only stops), no click "Aborted!"."""
+    """Ctrl-C or SIGTERM during ``psgrad simulate``: one line, the newest complete checkpoint (after
+    a SIGTERM, the one its saved stop wrote) and the --resume that continues it, status 128 + the
+    signal; no rank's traceback (a worker whose stacked pass the interrupt cut short only stops),
+    no click "Aborted!"."""
     import signal
 
     from psgrad import checkpoint
@@ -914,7 +915,7 @@ def test_a_signal_stops_a_simulation_with_one_line_and_the_checkpoint_to_resume(
     cmd = [sys.executable, "-m", "psgrad", "simulate", "--workers", "4", *args]
     proc = interrupt_when(cmd, checkpointed, tmp_path / "err", sig=getattr(signal, signal_name))
     assert proc.returncode == status, proc.stderr[-3000:]
-    assert proc.stderr.count(f"[psgrad] {said}\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count(f"[psgrad] {said}") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
     hint = f"the newest complete checkpoint is {checkpoint.resolve(log)}: continue the run with --resume {log}"
     assert hint in proc.stderr, proc.stderr[-3000:]

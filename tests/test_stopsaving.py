@@ -129,3 +129,35 @@ def test_a_sigterm_delivered_twice_at_once_is_one_saved_stop(tmp_path):
         r"\[psgrad rank (\d)\] terminated \(SIGTERM\) after step \d+, every rank's state saved", proc.stderr
     )
     assert sorted(saved) == ["0", "1", "2"] and " while " not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_sigterm_to_psgrad_simulate_is_saved_once_and_resumes_bit_exact(tmp_path):
+    """``psgrad simulate``'s ranks are threads of one process, whose main thread takes the
+    signal: it notes it for every rank, the ranks save after a step they agree on, the stop is
+    said once, and resuming ends with the model of a run never stopped, bit for bit."""
+    common = ["--workers", "2", "--model", "mlp", "--lr", "0.01", "--steps", STEPS, "--eval-every-epochs", "0"]
+    common += ["--no-progress", "--checkpoint-every-steps", "40", "--codec", "topk:ratio=0.2", "--feedback", "ef"]
+    log = tmp_path / "stopped"
+
+    def first_checkpoint(_err: str) -> bool:
+        return (log / "ckpt-step40" / checkpoint.MARKER).exists()
+
+    cmd = [sys.executable, "-m", "psgrad", "simulate", *common, "--log-dir", str(log)]
+    proc = interrupt_when(cmd, first_checkpoint, tmp_path / "err", sig=signal.SIGTERM)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    saved = re.findall(rf"\[psgrad\] terminated \(SIGTERM\) after step \d+, every rank's state saved in {log}/ckpt-step(\d+)",
+                       proc.stderr)  # fmt: skip
+    assert len(saved) == 1 and proc.stderr.count("SIGTERM: stopping after a step") == 1, proc.stderr[-3000:]
+    step = int(saved[0])
+    assert step < int(STEPS) and checkpoint.resolve(log) == log / f"ckpt-step{step}", proc.stderr[-3000:]
+    assert [int(row["step"]) for row in metrics_rows(log)] == list(range(step)), proc.stderr[-3000:]
+    simulate = [sys.executable, "-m", "psgrad", "simulate"]
+    resumed = subprocess.run([*simulate, "--resume", str(log)], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = subprocess.run([*simulate, *common, "--log-dir", str(tmp_path / "ref")], capture_output=True,
+                              text=True, timeout=240)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
+    got = torch.load(log / "model.pt", weights_only=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{name} resumed from step {step}")

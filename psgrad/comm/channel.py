@@ -9,10 +9,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from .waiting import Idle, Patience, SharedPass
+
+
+class SharedStop(Protocol):
+    """A stop signal noted once for several ranks (``stopsaving.NotedStop``)."""
+
+    signum: int
+
+    def agreed(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -67,6 +76,11 @@ class Channel:
 
     def shared_pass(self) -> SharedPass | None:
         """The forward and backward this rank computes together with others, if any."""
+        return None
+
+    def shared_stop(self) -> SharedStop | None:
+        """The stop signal this rank's process notes for every rank in it (simulated ranks: its
+        main thread notes it), if any; None: the rank notes its own (stopsaving.py)."""
         return None
 
     def repost(self, handle: Handle) -> Handle:

@@ -71,7 +71,10 @@ def end_on_failure(
     if isinstance(err, KeyboardInterrupt):  # Ctrl-C or SIGTERM: where it stopped, not a traceback
         reason, status = stop_reason(err)
         said = err.said(transport.rank) if isinstance(err, SavedStop) else f"{reason} while {doing}"
-        say(f"[psgrad rank {transport.rank}] {said}")
+        if not (isinstance(err, SavedStop) and transport.shared_stop() is not None):
+            say(f"[psgrad rank {transport.rank}] {said}")
+        elif transport.rank == 0:  # simulated ranks' saved stop: said once, for the process
+            say(f"[psgrad] {said}")
         if transport.size > 1:
             ignore_further_stops()
         _end_job(transport, watchdog, reason, status, first_says=lambda: _say_resume_hint(log_dir))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..comm.channel import Channel, Handle
+from ..comm.channel import Channel, Handle, SharedStop
 from ..comm.waiting import Idle, Patience, PeerFailure, SharedPass
 from .world import BLOCK, IDLE_BLOCK, Collective, LocalWorld
 
@@ -165,6 +165,9 @@ class LocalTransport(Channel):
         self.idle_seconds = 0.0
         self._collectives = 0
         self._dups = 0
+
+    def shared_stop(self) -> SharedStop | None:
+        return self.world.shared_stop
 
     def dup(self) -> LocalTransport:
         self._dups += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -40,7 +41,8 @@ from ..metrics import say
 from ..models import build_model
 from ..optim import OptimizerFn
 from ..roles import topology_of
-from ..runtime.signals import stop_reason
+from ..runtime.signals import stop_reason, stop_signals_to
+from ..stopsaving import NotedStop
 from ..train import RunResult, run
 from .local import LocalTransport, Meeting
 from .stacked import StackedWorkers
@@ -55,10 +57,13 @@ def _play_out(world: LocalWorld, threads: list[threading.Thread], *, log_dir: st
     1. Every rank trains on the same sets: loaded once, held once (``shared_loads``).
     2. This thread joins the ranks in slices of 0.2 s (Ctrl-C reaches it between them, and the
        machine's memory is looked at), running the stacked passes meanwhile.
-    3. Ctrl-C or SIGTERM: said once, every rank stopped (at most 10 s), the checkpoint that resumes
-       the run named, and the stop raised again.
+    3. A SIGTERM, when the run writes checkpoints (``world.shared_stop``), is noted for every rank,
+       and the ranks save it as ``psgrad train``'s do (stopsaving.py): at a step they agree on.
+    4. Ctrl-C, or a SIGTERM not saved: said once, every rank stopped (at most 10 s), the checkpoint
+       that resumes the run named, and the stop raised again.
     """
-    with shared_loads():
+    noting = stop_signals_to(world.shared_stop.note) if world.shared_stop is not None else nullcontext()
+    with shared_loads(), noting:
         for thread in threads:
             thread.start()
         try:
@@ -81,6 +86,16 @@ def _play_out(world: LocalWorld, threads: list[threading.Thread], *, log_dir: st
         finally:
             if world.stacked is not None:
                 world.stacked.close("the simulation ended")
+            if world.shared_stop is not None:
+                world.shared_stop.agreed()  # its patience ends with the ranks
+
+
+def _shared_stop(cfg: RunConfig, *, size: int) -> NotedStop | None:
+    """The SIGTERM this process notes for every rank, saved as ``psgrad train`` saves it, when the
+    run writes checkpoints (stopsaving.py); None: a SIGTERM stops the ranks at once."""
+    if size > 1 and (cfg.log_dir is not None or cfg.checkpoint_every_steps > 0):
+        return NotedStop(None, until="every rank agrees on, with a checkpoint")
+    return None
 
 
 def world_size(cfg: RunConfig, workers: int) -> int:
@@ -162,6 +177,7 @@ def simulate(
     callers_threads = torch.get_num_threads()
     world = LocalWorld(size, cfg.timeout or DEFAULT_STALL, cores)
     world.memory_check = MemoryWatch(size)
+    world.shared_stop = _shared_stop(cfg, size=size)
     if stack:
         world.stacked = StackedWorkers(Meeting(world, workers), groups=world.core_count)
     results: list[RunResult | None] = [None] * size

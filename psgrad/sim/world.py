@@ -17,7 +17,7 @@ from ..comm.waiting import Idle, PeerFailure
 from ..metrics import say
 
 if TYPE_CHECKING:  # the interface only: importing the MPI transport loads MPI
-    from ..comm.channel import Handle
+    from ..comm.channel import Handle, SharedStop
 
 _RECENT_POLL = 2.0  # seconds: a rank that polled this recently is waiting, not computing
 
@@ -63,6 +63,7 @@ class LocalWorld:
         self.collectives: dict[tuple, Collective] = {}  # (comm, k) -> the parts so far
         self.failure: str | None = None
         self.halted = False  # see ``halt``
+        self.shared_stop: SharedStop | None = None  # a SIGTERM the process noted for every rank
         # () -> why the job must stop now (the machine is out of memory), or None; see ``watch``
         self.memory_check: Callable[[], str | None] | None = None
         self.memory_short: str | None = None
