@@ -116,10 +116,10 @@ class NotedStop:
             return time.monotonic() - self._at < SAME_STOP  # within: the same stop delivered again
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
+        who = "[psgrad]" if self.rank is None else f"[psgrad rank {self.rank}]"
         say(
-            f"[psgrad{'' if self.rank is None else f' rank {self.rank}'}] {name}: stopping after a step {self.until} "
-            f"({name} again stops at once, "
-            f"and so does a stop not agreed within {PATIENCE:.0f} s)"
+            f"{who} {name}: stopping after a step {self.until} ({name} again stops at once, and so does a stop "
+            f"not agreed within {PATIENCE:.0f} s)"
         )
         # interrupt_main calls this handler again in the main thread, which then stops at once
         self._timer = threading.Timer(PATIENCE, _thread.interrupt_main, args=(signum,))

@@ -27,7 +27,7 @@ from .world import world
 _HEARD = 1 << 7  # a vote's flag: the signal is a serving rank's, not this worker's (signals < 128)
 
 
-class SavedStop:
+class AgreedStop:
     """One worker's part (module docstring); ``channel`` holds the workers alone, in the order of
     ``worker_ranks``; ``servers`` are the serving-only ranks."""
 
@@ -93,7 +93,7 @@ def should_stop() -> bool:
             raise RuntimeError("psgrad.should_stop() is for the workers, after psgrad.init")
         layout = w.layout
         servers = [r for r in layout.server_ranks if not layout.is_worker(r)]
-        _SAVED = SavedStop(channel=w.workers, stops=w.stops, worker_ranks=layout.worker_ranks, servers=servers)
+        _SAVED = AgreedStop(channel=w.workers, stops=w.stops, worker_ranks=layout.worker_ranks, servers=servers)
         _SAVED.ask()
         w.closers.insert(0, _SAVED.close)  # at shutdown, before the optimizer's traffic ends
     return _SAVED.agreed
@@ -105,4 +105,4 @@ def stepped() -> None:
         _SAVED.stepped()
 
 
-_SAVED: SavedStop | None = None
+_SAVED: AgreedStop | None = None
