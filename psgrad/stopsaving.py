@@ -97,10 +97,11 @@ def _ranks(ranks: list[int]) -> str:
 
 class NotedStop:
     """A rank's first SIGTERM noted, not raised (module docstring, 1): ``signum`` is the signal
-    noted (0 for none). ``until`` says in the rank's line what the rank waits for."""
+    noted (0 for none). ``until`` says in the rank's line what the rank waits for; without
+    ``patience`` (a serving rank, which others stop) no stop comes at once after ``PATIENCE``."""
 
-    def __init__(self, rank: int | None, *, until: str) -> None:
-        self.rank, self.until = rank, until  # rank None: the process's ranks (psgrad simulate)
+    def __init__(self, rank: int | None, *, until: str, patience: bool = True) -> None:
+        self.rank, self.until, self.patience = rank, until, patience  # rank None: psgrad simulate's ranks
         self.signum = 0
         self._at = 0.0
         self._timer: threading.Timer | None = None
@@ -117,10 +118,10 @@ class NotedStop:
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
         who = "[psgrad]" if self.rank is None else f"[psgrad rank {self.rank}]"
-        say(
-            f"{who} {name}: stopping after a step {self.until} ({name} again stops at once, and so does a stop "
-            f"not agreed within {PATIENCE:.0f} s)"
-        )
+        also = f", and so does a stop not agreed within {PATIENCE:.0f} s" if self.patience else ""
+        say(f"{who} {name}: stopping after a step {self.until} ({name} again stops at once{also})")
+        if not self.patience:
+            return True
         # interrupt_main calls this handler again in the main thread, which then stops at once
         self._timer = threading.Timer(PATIENCE, _thread.interrupt_main, args=(signum,))
         self._timer.daemon = True

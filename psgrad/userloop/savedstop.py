@@ -34,7 +34,6 @@ class AgreedStop:
     def __init__(self, *, channel: Transport, stops: StopTogether, worker_ranks: list[int], servers: list[int]) -> None:
         self.channel, self.stops = channel, stops
         self.worker_ranks, self.servers = worker_ranks, servers
-        self.asked = False
         self.noted = NotedStop(stops.rank, until="every worker agrees on: psgrad.should_stop() then says so")
         self.votes = StopVotes(channel, lag=MIN_LAG)
         self.steps = 0  # the DistributedOptimizer's steps since this worker asked
@@ -42,15 +41,12 @@ class AgreedStop:
 
     def ask(self) -> None:
         """From now on, SIGTERM is saved (1)."""
-        if self.asked:
-            return
-        self.asked = True
         self.stops.absorb = self.noted.take
         self.stops.tell(ARMED, ranks=self.servers)
 
     def stepped(self) -> None:
         """At the end of a step: read the vote due, start the next (2-3)."""
-        if not self.asked or self.agreed:
+        if self.agreed:
             return
         signals = self.votes.due(self.steps)
         if signals is not None and signals.any():
@@ -74,8 +70,6 @@ class AgreedStop:
 
     def close(self) -> None:
         """At ``shutdown``: read the votes in flight (4)."""
-        if not self.asked:
-            return
         self.votes.drain()
         self.noted.agreed()
         if self.noted.signum and not self.agreed:

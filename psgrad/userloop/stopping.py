@@ -35,10 +35,9 @@ from collections.abc import Callable
 
 from ..comm.transport import Transport
 from ..comm.waiting import Backoff, Patience
-from ..metrics import say
 from ..runtime import signals
 from ..runtime.signals import STOP_SIGNALS
-from ..stopsaving import SAME_STOP
+from ..stopsaving import NotedStop
 
 GRACE_SECONDS = 30.0  # Slurm's default KillWait: its SIGKILL follows the SIGTERM 30 s later
 _TAG = 9
@@ -62,7 +61,10 @@ class StopTogether:
         self.absorb: Callable[[int], bool] | None = None  # a worker's saved stop: whether it took a SIGTERM
         self.saving: list[int] = []  # on a serving-only rank, the workers that save their stops (ARMED)
         self.noted_by_server = 0  # on a worker, a serving-only rank's noted signal (NOTED)
-        self._noted_at = 0.0  # when this serving-only rank noted its own
+        # a serving-only rank's own SIGTERM, which it serves on after: the workers stop it
+        self._noted = NotedStop(
+            self.rank, until="the workers agree on (psgrad.should_stop()); serving until then", patience=False
+        )
         self._sent: list = []  # notices on their way: an MPI send's buffer must outlive it
         peers = [r for r in range(self.size) if r != self.rank]
         self._notices = [self.comm.irecv(8, source=r, tag=_TAG) for r in peers]
@@ -131,16 +133,11 @@ class StopTogether:
             return self.absorb(signum)
         if not self.saving:
             return False
-        if self._noted_at:
-            return time.monotonic() - self._noted_at < SAME_STOP  # within: the same stop delivered again
-        self._noted_at = time.monotonic()
-        name = signal.Signals(signum).name
-        say(
-            f"[psgrad rank {self.rank}] {name}: serving until the workers stop after a step they agree on "
-            f"(psgrad.should_stop()); {name} again stops at once"
-        )
-        self.tell(NOTED | signum, ranks=self.saving)
-        return True
+        first = not self._noted.signum
+        taken = self._noted.take(signum)
+        if taken and first:
+            self.tell(NOTED | signum, ranks=self.saving)
+        return taken
 
     def stop(self, signum: int, *, grace: float = GRACE_SECONDS) -> None:
         """Tell every other rank of this rank's stop by ``signum`` (unless it heard of it from one),
