@@ -155,10 +155,14 @@ class StopVotes:
         self.votes.append((step, *self.channel.iallgather_sizes(vote)))
         self.next_vote = step + self.period
 
+    def is_due(self, step: int) -> bool:
+        """Whether a vote is read after ``step``."""
+        return bool(self.votes) and self.votes[0][0] + self.lag <= step
+
     def due(self, step: int) -> np.ndarray | None:
         """After ``step``: every rank's signal (0 for none) in the vote due now, None when none is;
         the next votes' period follows the slowest rank's step time."""
-        if not self.votes or self.votes[0][0] + self.lag > step:
+        if not self.is_due(step):
             return None
         votes = self._read()
         slowest = int(votes.max()) >> _SIGNAL_BITS

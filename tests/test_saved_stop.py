@@ -94,3 +94,14 @@ def test_a_loop_that_does_not_ask_stops_at_once(tmp_path):
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "every worker stops after this step" not in proc.stderr, proc.stderr[-3000:]
     assert "terminated (SIGTERM) at saved_stop.py" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("topology", ["ps", "colocated"])
+def test_a_loop_that_asks_on_one_worker_only_names_the_other_instead_of_hanging(tmp_path, topology):
+    """``should_stop()`` on the first worker alone: that worker would wait on the other's vote for
+    ever (until the watchdog's minute); it fails within seconds instead, naming the other."""
+    last = RANKS[topology] - 1
+    proc = run_script(SCRIPT, str(tmp_path), topology, "one_asks", n=RANKS[topology], timeout=120)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    named = f"psgrad.should_stop() was called on this worker (rank {last - 1}), not on worker rank {last}"
+    assert named in proc.stderr, proc.stderr[-3000:]

@@ -4,11 +4,15 @@ step, each saves its state after it, and the job ends as your script ends.
 1. The first ``should_stop()`` on a worker (after a ``step()``) asks for it: from then on, the
    worker's first SIGTERM is noted, not raised (stopsaving.NotedStop: a second one, or none agreed
    within ``PATIENCE`` seconds, stops the job at once as before), and the serving-only ranks are
-   told to note theirs too (userloop/stopping.py, 5): they serve on and tell the workers.
+   told to note theirs too (userloop/stopping.py, 5): they serve on and tell the workers. The
+   other workers are told too (``ASKED``).
 2. At the end of every ``DistributedOptimizer.step()``, every worker that asked takes part in the
    workers' votes, as ``psgrad train``'s ranks do (stopsaving.StopVotes, on a communicator of the
    workers alone): a vote carries the signal this worker noted, or the one a serving rank noted,
    and is read ``MIN_LAG`` steps later, when every worker has started it (the workers step together).
+   Before the first is read, every other worker has asked as well: the workers step together, so
+   each asked steps ago. A worker whose notice has not come within ``ASK_PATIENCE`` seconds never
+   asked, would never vote, and is named in an error, where this worker would wait on it for ever.
 3. A vote with a signal in it is the agreed stop: after that step, ``should_stop()`` is True on
    every worker. Your loop saves (``state_dict()`` is whole after any ``step()``) and ends.
 4. At ``shutdown`` the votes still in flight are read (every worker that asked, at the same step).
@@ -17,12 +21,18 @@ step, each saves its state after it, and the job ends as your script ends.
 from __future__ import annotations
 
 import signal
+import time
 
 from ..comm.transport import Transport
+from ..comm.waiting import Backoff, Patience
 from ..metrics import say
 from ..stopsaving import MIN_LAG, NotedStop, StopVotes
-from .stopping import ARMED, StopTogether
+from .stopping import ARMED, ASKED, StopTogether
 from .world import world
+
+ASK_PATIENCE = 5.0
+"""Seconds a worker waits, before its first vote is read, for the other workers' notices that
+they asked too: they did steps ago, and their notices take a listener's poll (50 ms) to arrive."""
 
 _HEARD = 1 << 7  # a vote's flag: the signal is a serving rank's, not this worker's (signals < 128)
 
@@ -38,16 +48,20 @@ class AgreedStop:
         self.votes = StopVotes(channel, lag=MIN_LAG)
         self.steps = 0  # the DistributedOptimizer's steps since this worker asked
         self.agreed = False
+        self.every_worker_asked = False
 
     def ask(self) -> None:
         """From now on, SIGTERM is saved (1)."""
         self.stops.absorb = self.noted.take
         self.stops.tell(ARMED, ranks=self.servers)
+        self.stops.tell(ASKED, ranks=[r for r in self.worker_ranks if r != self.stops.rank])
 
     def stepped(self) -> None:
         """At the end of a step: read the vote due, start the next (2-3)."""
         if self.agreed:
             return
+        if not self.every_worker_asked and self.votes.is_due(self.steps):
+            self._await_the_others()
         signals = self.votes.due(self.steps)
         if signals is not None and signals.any():
             self._agree(signals)
@@ -55,6 +69,20 @@ class AgreedStop:
         self.steps += 1
         noted = self.noted.signum or (self.stops.noted_by_server and self.stops.noted_by_server | _HEARD)
         self.votes.start(self.steps, noted=noted)
+
+    def _await_the_others(self) -> None:
+        """Before the first vote is read: every other worker asked too, or it is named (2)."""
+        others = set(self.worker_ranks) - {self.stops.rank}
+        deadline, backoff = time.monotonic() + ASK_PATIENCE, Backoff(Patience(spins=0, max_sleep=0.05))
+        while not others <= set(self.stops.asked):
+            if time.monotonic() > deadline:
+                missing = ", ".join(map(str, sorted(others - set(self.stops.asked))))
+                raise RuntimeError(
+                    f"psgrad.should_stop() was called on this worker (rank {self.stops.rank}), not on worker "
+                    f"rank {missing}, which would never vote on a stop: call it after each step() on every worker"
+                )
+            backoff.idle()
+        self.every_worker_asked = True
 
     def _agree(self, signals) -> None:
         """The agreed stop: each worker says it, once (3)."""

@@ -20,6 +20,8 @@ A rank that stops no longer hears of DataLoader workers killed by the same signa
    that asks (``absorb``) takes its first SIGTERM itself, and tells the serving-only ranks
    (``ARMED``); such a serving rank notes its own first SIGTERM, tells the workers that asked
    (``NOTED``), and serves on until they stop. A stop passed on by a rank still stops at once.
+   A worker that asks also tells the other workers (``ASKED``): each waits on every other's vote,
+   so one that never asks is named instead of leaving them waiting.
 ``where_it_stopped`` reads a stop's traceback for the line each rank says.
 """
 
@@ -47,6 +49,8 @@ ARMED = 1 << 8
 """A worker's notice to the serving-only ranks: it saves its stops (module docstring, 5)."""
 NOTED = 2 << 8
 """A serving-only rank's notice to the workers that save their stops: ``NOTED | signal``."""
+ASKED = 3 << 8
+"""A worker's notice to the other workers: it asked too (module docstring, 5)."""
 _SIGNAL = 0xFF
 
 
@@ -61,6 +65,7 @@ class StopTogether:
         self.absorb: Callable[[int], bool] | None = None  # a worker's saved stop: whether it took a SIGTERM
         self.saving: list[int] = []  # on a serving-only rank, the workers that save their stops (ARMED)
         self.noted_by_server = 0  # on a worker, a serving-only rank's noted signal (NOTED)
+        self.asked: list[int] = []  # on a worker, the other workers that asked too (ASKED)
         # a serving-only rank's own SIGTERM, which it serves on after: the workers stop it
         self._noted = NotedStop(
             self.rank, until="the workers agree on (psgrad.should_stop()); serving until then", patience=False
@@ -106,12 +111,13 @@ class StopTogether:
             for i in self.comm.test_some(self._notices):
                 notice = self._notices[i]
                 value = int.from_bytes(notice.payload(), "little")
-                if value & ~_SIGNAL in (ARMED, NOTED):  # a saved stop's: more notices may follow
+                kind = value & ~_SIGNAL
+                if kind in (ARMED, NOTED, ASKED):  # a saved stop's: more notices may follow
                     self._notices[i] = self.comm.irecv(8, source=notice.peer, tag=_TAG)
-                    if value & ~_SIGNAL == ARMED:
-                        self.saving.append(notice.peer)
-                    else:
+                    if kind == NOTED:
                         self.noted_by_server = value & _SIGNAL
+                    else:
+                        (self.saving if kind == ARMED else self.asked).append(notice.peer)
                     continue
                 heard = heard or (notice.peer, value, time.monotonic())
             # a Ctrl-C reached every rank at once, but a rank inside a long torch call runs its

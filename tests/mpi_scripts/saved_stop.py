@@ -10,7 +10,9 @@ OUT/<mode>-<rank>.pt, and the two must be equal bit for bit. Mode ``unasked`` tr
 but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved stops. Mode
 ``stop_loader`` is ``stop`` taking its batches from a DataLoader with a worker process, which
 ignores SIGTERM (``keep_on_sigterm``, as docs/api.md shows) so that the loop can go on to its stop;
-it returns after saving (status 0).
+it returns after saving (status 0). Mode ``one_asks`` is ``stop`` with ``should_stop()`` asked on
+the first worker alone, a loop the job cannot stop together: it fails, naming the worker that
+did not ask.
 """
 
 import signal
@@ -37,12 +39,13 @@ def main() -> None:
     saved = out / f"ckpt-{psgrad.rank()}.pt"
     if mode == "stop_loader":
         return stop_loader(model, opt, saved)
-    if mode in ("stop", "unasked"):
+    if mode in ("stop", "unasked", "one_asks"):
+        asks = mode == "stop" or (mode == "one_asks" and psgrad.worker_index() == 0)
         for step in count():
             train(model, opt, [step])
             if step == 3:
                 print(f"worker {psgrad.worker_index()} trains", file=sys.stderr, flush=True)
-            if mode == "stop" and psgrad.should_stop():
+            if asks and psgrad.should_stop():
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, saved)
                 sys.exit(143)  # the signal's status, for the scheduler
         return
