@@ -7,7 +7,7 @@ For a model's layer shapes, a codec (and down-link codec), a topology, N workers
 1. Bytes a worker sends up per step, ``up``: each layer's message for a typical gradient
    (``message_bytes``: a seeded normal tensor, coded; 1-D parameters dense, in one bucket), and
    the bytes it receives back, ``down``: the down-link codec's messages, dense values without
-   one, or PowerSGD's summed factors (as many as it sent).
+   one, or PowerSGD's summed factors (as many as it sent; the down-link's for a layer sent whole).
 2. Bytes on the busiest link, per direction (links are full duplex):
    - ``ps`` (S servers): a server's link carries N/S of every worker's up (in) and down (out);
    - ``colocated``: every rank serves 1/N of the layers and works: it sends (N-1)/N of its up and
@@ -256,10 +256,12 @@ def exchange_of(topology: str) -> Exchange:
     return EXCHANGES[topology]
 
 
-def _reply(s: Scenario) -> str:
-    """The codec of what a worker receives back: its own codec's (PowerSGD's summed factors, an
-    all-gather's or a ring's messages), else the down-link's."""
-    return s.codec if _rounds(s.codec) == 2 or exchange_of(s.topology).reply_coded else s.down_codec
+def _reply(s: Scenario, layer=None) -> str:
+    """The codec of what a worker receives back (of ``layer``): its own codec's (PowerSGD's summed
+    factors, an all-gather's or a ring's messages), else the down-link's, as for a layer PowerSGD
+    sends whole."""
+    factors = _rounds(s.codec) == 2 and (layer is None or make_codec(s.codec).compresses(tuple(layer.shape)))
+    return s.codec if factors or exchange_of(s.topology).reply_coded else s.down_codec
 
 
 def link_bytes(s: Scenario) -> float:
@@ -268,8 +270,8 @@ def link_bytes(s: Scenario) -> float:
     # torch's all-reduce moves raw fp32, without psgrad's message headers
     plain = exchange.all_reduce and s.codec == "none"
     up = 4.0 * _elements(s.shapes) if plain else coded_bytes(s.codec, s.shapes)
-    reply = _reply(s)
-    down = 4.0 * _elements(s.shapes) if reply == "none" else coded_bytes(reply, s.shapes)
+    replies = (_layer_bytes(_reply(s, layer), layer) for layer in exchanged_layers(s.shapes))
+    down = 4.0 * _elements(s.shapes) if _reply(s) == "none" else sum(replies)
     return exchange.busiest(s.workers, s.servers, up, down)
 
 
@@ -290,10 +292,9 @@ def fragment_turn_bytes(s: Scenario) -> list[float]:
 
     layers = exchanged_layers(s.shapes, owners=s.workers, codec_spec=s.codec)
     fragment = fragment_of(layers, s.fragments)
-    reply = _reply(s)
     served = [[0.0] * s.workers for _ in range(s.fragments)]
     for layer in layers:
-        pushed_and_replied = _layer_bytes(s.codec, layer) + _layer_bytes(reply, layer)
+        pushed_and_replied = _layer_bytes(s.codec, layer) + _layer_bytes(_reply(s, layer), layer)
         served[fragment[layer.index]][layer.owner] += (s.workers - 1) * pushed_and_replied
     return [max(ranks) for ranks in served]
 
@@ -313,8 +314,7 @@ def _code_rate(spec: str, given: float | None) -> float:
 
 def coding_s(s: Scenario) -> float:
     """A worker's coding per exchange: its gradient up, the reply down (module docstring, 5)."""
-    reply = _reply(s)
-    rates = (_code_rate(s.codec, s.code_gbps), _code_rate(reply, s.code_gbps))
+    rates = (_code_rate(s.codec, s.code_gbps), _code_rate(_reply(s), s.code_gbps))
     return sum(0.0 if math.isinf(rate) else 4 * _elements(s.shapes) / (rate * 1e9) for rate in rates)
 
 
