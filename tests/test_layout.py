@@ -88,7 +88,7 @@ FLOORS = [
     (3, ["psgrad.evaluation", "psgrad.checkpointing", "psgrad.runtime.restarts", "psgrad.stopsaving"]),
     (3, ["psgrad.shards", "psgrad.ddpcomm"]),
     (3, ["psgrad.context", "psgrad.startup"]),
-    (4, ["psgrad.engine"]),
+    (4, ["psgrad.engine", "psgrad.ddpstop"]),
     (5, sorted(ROLE_ENGINES)),
     (6, ["psgrad.train", "psgrad.sim.simulate", "psgrad.userloop"]),
     (7, ["psgrad.options", "psgrad.plot", "psgrad.runtable", "psgrad.plan"]),

@@ -28,7 +28,7 @@ from ..comm.waiting import Backoff, Patience
 from ..metrics import say
 from ..stopsaving import MIN_LAG, NotedStop, StopVotes
 from .stopping import ARMED, ASKED, StopTogether
-from .world import world
+from .world import joined, world
 
 ASK_PATIENCE = 5.0
 """Seconds a worker waits, before its first vote is read, for the other workers' notices that
@@ -107,9 +107,14 @@ class AgreedStop:
 def should_stop() -> bool:
     """Whether every worker stops after this step, its state to be saved: a SIGTERM reached the
     job (module docstring). Call it on every worker after each ``step()``; the first call asks
-    for saved stops, and the job's SIGTERMs are noted from then on, not raised."""
+    for saved stops, and the job's SIGTERMs are noted from then on, not raised. In a torch DDP
+    script (no ``psgrad.init``, torch.distributed set up) every rank votes instead (ddpstop.py)."""
     global _SAVED
     if _SAVED is None:
+        from .. import ddpstop
+
+        if not joined() and ddpstop.in_ddp():
+            return ddpstop.should_stop()
         w = world()
         if w.workers is None or w.stops is None:
             raise RuntimeError("psgrad.should_stop() is for the workers, after psgrad.init")

@@ -272,6 +272,11 @@ def _abort(why: str, *, status: int = 1, first: bool = True) -> None:
     abort_if_running(status)
 
 
+def joined() -> bool:
+    """Whether this process called ``init``."""
+    return _WORLD is not None
+
+
 def world() -> World:
     """The job this process joined (RuntimeError before ``init``)."""
     if _WORLD is None:
