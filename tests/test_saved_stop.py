@@ -105,3 +105,10 @@ def test_a_loop_that_asks_on_one_worker_only_names_the_other_instead_of_hanging(
     assert proc.returncode != 0, proc.stderr[-3000:]
     named = f"psgrad.should_stop() was called on this worker (rank {last - 1}), not on worker rank {last}"
     assert named in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_worker_behind_between_exchanges_is_waited_for_not_named(tmp_path):
+    """With local steps the workers wait for one another only at exchanges: a worker 4 steps (6 s)
+    behind asks later, and the first waits for it instead of naming it."""
+    proc = run_script(SCRIPT, str(tmp_path), "colocated", "lagging", n=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,8 +11,10 @@ step, each saves its state after it, and the job ends as your script ends.
    workers alone): a vote carries the signal this worker noted, or the one a serving rank noted,
    and is read ``MIN_LAG`` steps later, when every worker has started it (the workers step together).
    Before the first is read, every other worker has asked as well: the workers step together, so
-   each asked steps ago. A worker whose notice has not come within ``ASK_PATIENCE`` seconds never
-   asked, would never vote, and is named in an error, where this worker would wait on it for ever.
+   each asked steps ago (with local steps, up to H steps behind: they wait for one another only at
+   exchanges). A worker whose notice has not come within ``ASK_PATIENCE`` seconds, plus H of the
+   slowest steps seen, never asked, would never vote, and is named in an error, where this worker
+   would wait on it for ever.
 3. A vote with a signal in it is the agreed stop: after that step, ``should_stop()`` is True on
    every worker. Your loop saves (``state_dict()`` is whole after any ``step()``) and ends.
 4. At ``shutdown`` the votes still in flight are read (every worker that asked, at the same step).
@@ -73,7 +75,9 @@ class AgreedStop:
     def _await_the_others(self) -> None:
         """Before the first vote is read: every other worker asked too, or it is named (2)."""
         others = set(self.worker_ranks) - {self.stops.rank}
-        deadline, backoff = time.monotonic() + ASK_PATIENCE, Backoff(Patience(spins=0, max_sleep=0.05))
+        w = world()
+        patience = ASK_PATIENCE + max(1, w.cfg.local_steps) * w.slowest_step
+        deadline, backoff = time.monotonic() + patience, Backoff(Patience(spins=0, max_sleep=0.05))
         while not others <= set(self.stops.asked):
             if time.monotonic() > deadline:
                 missing = ", ".join(map(str, sorted(others - set(self.stops.asked))))

@@ -12,7 +12,10 @@ but never calls ``should_stop()``: a SIGTERM stops it at once, as without saved 
 ignores SIGTERM (``keep_on_sigterm``, as docs/api.md shows) so that the loop can go on to its stop;
 it returns after saving (status 0). Mode ``one_asks`` is ``stop`` with ``should_stop()`` asked on
 the first worker alone, a loop the job cannot stop together: it fails, naming the worker that
-did not ask.
+did not ask. Mode ``lagging`` has an exchange every 8 steps (``local_steps``: after steps 7 and
+15), the last worker taking 1.5 s a step and the first a moment: both ask ``should_stop()`` from
+step 10 on, and the first reads its first vote after step 14, 6 s before the other has asked; it
+must train its 16 steps and return.
 """
 
 import signal
@@ -33,7 +36,7 @@ def main() -> None:
     out, topology, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     end = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     out.mkdir(parents=True, exist_ok=True)
-    psgrad.init(topology=topology, codec="topk:ratio=0.2", feedback="ef")
+    psgrad.init(topology=topology, codec="topk:ratio=0.2", feedback="ef", local_steps=8 if mode == "lagging" else 0)
     model = make_model()
     opt = psgrad.DistributedOptimizer(sgd(model), model)
     saved = out / f"ckpt-{psgrad.rank()}.pt"
@@ -48,6 +51,12 @@ def main() -> None:
             if asks and psgrad.should_stop():
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, saved)
                 sys.exit(143)  # the signal's status, for the scheduler
+        return
+    if mode == "lagging":
+        for step in range(16):
+            train(model, opt, [step])
+            time.sleep(1.5 if psgrad.worker_index() == psgrad.num_workers() - 1 else 0)
+            assert step < 10 or not psgrad.should_stop()
         return
     start = 0
     if mode == "resume":
