@@ -95,3 +95,11 @@ def test_a_second_sigterm_ends_the_process_as_without_saved_stops(tmp_path, agai
         assert proc.returncode == -signal.SIGTERM and "stopped after" not in proc.stdout, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0 and "stopped after 4 calls" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_asked_outside_a_job_it_says_what_it_needs():
+    """Neither ``psgrad.init`` nor torch.distributed: the error names both ways in."""
+    code = "import psgrad\npsgrad.should_stop()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "psgrad.should_stop() needs psgrad.init(...) first (your own loop), or torch.distributed" in proc.stderr

@@ -117,8 +117,13 @@ def should_stop() -> bool:
     if _SAVED is None:
         from .. import ddpstop
 
-        if not joined() and ddpstop.in_ddp():
-            return ddpstop.should_stop()
+        if not joined():
+            if ddpstop.in_ddp():
+                return ddpstop.should_stop()
+            raise RuntimeError(
+                "psgrad.should_stop() needs psgrad.init(...) first (your own loop), or torch.distributed "
+                "set up (a DDP script), on every rank"
+            )
         w = world()
         if w.workers is None or w.stops is None:
             raise RuntimeError("psgrad.should_stop() is for the workers, after psgrad.init")
