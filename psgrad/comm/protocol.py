@@ -116,13 +116,18 @@ def _coded_cost(codec_spec: str) -> Callable[[tuple[int, ...], bool], float]:
     return lambda shape, compress: float(wire.max_message_bytes(codec_spec if compress else "none", shape))
 
 
+def flat_parts(flat: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat``, each viewed in the shape of its one of ``targets``."""
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in targets]), targets, strict=True)]
+
+
 def copy_flat_into(params: dict[str, torch.Tensor], names: tuple[str, ...], flat: torch.Tensor, add: bool = False):
     """Write (or with ``add``, add) consecutive slices of ``flat`` into the named parameters, in one
     foreach call (a model's 25 parameters one by one took twice as long, in torch's dispatch)."""
     targets = [params[name] for name in names]
     if not targets:  # a model without BatchNorm statistics
         return
-    parts = [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in targets]), targets, strict=True)]
+    parts = flat_parts(flat, targets)
     with torch.no_grad():
         (torch._foreach_add_ if add else torch._foreach_copy_)(targets, parts)
 

@@ -40,6 +40,7 @@ from ..comm.protocol import (
     Layer,
     StepStats,
     copy_flat_into,
+    flat_parts,
     layer_tag,
     layer_values,
     message_seed,
@@ -203,11 +204,9 @@ class GossipRole(Role):
             model = self.ctx.evaluations.model()
             model.load_state_dict(self.model.state_dict())
             targets = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
-            offset = 0
             with torch.no_grad():
-                for t in targets:
-                    t.copy_(mean[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                for t, part in zip(targets, flat_parts(mean, targets), strict=True):
+                    t.copy_(part)
             self.ctx.evaluations.start(model, step, time.perf_counter() - start)
 
     def params(self) -> dict[str, torch.Tensor]:

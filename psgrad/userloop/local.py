@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.protocol import Layer, copy_flat_into
+from ..comm.protocol import Layer, copy_flat_into, flat_parts
 from ..config import RunConfig
 from ..optim import LayerOptimizer
 
@@ -70,11 +70,8 @@ class OuterSteps:
         self.held = {name: param.grad for name, param in self.params.items()}
         with torch.no_grad():
             for layer in self.layers:
-                offset = 0
-                for name in layer.params:
-                    param = self.params[name]
-                    synced = self.synced[layer.index][offset : offset + param.numel()].view_as(param)
-                    offset += param.numel()
+                params = [self.params[name] for name in layer.params]
+                for param, synced in zip(params, flat_parts(self.synced[layer.index], params), strict=True):
                     param.grad = (synced - param.detach()).to(param.dtype)
 
     def take_mean(self, layer: Layer, flat: torch.Tensor | None) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..comm.protocol import Layer, StepStats
+from ..comm.protocol import Layer, StepStats, flat_parts
 from ..comm.waiting import WAITING
 from ..context import down_link_note
 from ..devices import outside_autocast
@@ -305,11 +305,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.local is not None:
             self.local.take_mean(layer, flat if applied else None)
             return
-        offset = 0
-        for name in layer.params:
-            param = self.params[name]
-            part = flat[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
+        params = [self.params[name] for name in layer.params]
+        for param, part in zip(params, flat_parts(flat, params), strict=True):
             if not applied:
                 part = torch.full_like(part, float("nan"))
             if param.grad is None:
