@@ -47,7 +47,8 @@ class DDPStop:
         self.noted = NotedStop(self.rank, until="every rank agrees on: psgrad.should_stop() then says so")
         self.steps = 0  # calls since the first
         self.agreed = False
-        self.before = signal.signal(signal.SIGTERM, self._note)
+        before = signal.signal(signal.SIGTERM, self._note)
+        self.before = signal.SIG_DFL if before is None else before  # None: a handler set outside Python
 
     def _note(self, signum: int, frame) -> None:
         """SIGTERM's handler: the first is noted; a stop at once runs the handler before (1)."""
