@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import say
-from .stopsaving import MIN_LAG, NotedStop, StopVotes
+from .stopsaving import MIN_LAG, NotedStop, StopVotes, named_ranks
 
 
 class _GroupVotes:
@@ -68,8 +68,7 @@ class DDPStop:
         if signals is not None and signals.any():
             self.agreed = True
             self.noted.agreed()
-            signalled = np.flatnonzero(signals)
-            ranks = f"rank{'s' * (len(signalled) > 1)} {', '.join(map(str, signalled))}"
+            ranks = named_ranks(np.flatnonzero(signals).tolist())
             name = signal.Signals(int(signals.max())).name
             say(
                 f"[psgrad rank {self.rank}] {name} on {ranks}: every rank stops after this step "

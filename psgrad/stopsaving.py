@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from .metrics import say
@@ -86,12 +86,13 @@ class SavedStop(Terminated):
         why = (
             f"terminated ({name})"
             if rank in self.signalled
-            else f"stopped with the job ({name} on {_ranks(self.signalled)})"
+            else f"stopped with the job ({name} on {named_ranks(self.signalled)})"
         )
         return f"{why} after step {self.step - 1}, every rank's state saved in {self.saved}"
 
 
-def _ranks(ranks: list[int]) -> str:
+def named_ranks(ranks: Sequence[int]) -> str:
+    """``rank 2``, ``ranks 0, 1``: how a line names the ranks a signal reached."""
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 

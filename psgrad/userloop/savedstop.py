@@ -28,7 +28,7 @@ import time
 from ..comm.transport import Transport
 from ..comm.waiting import Backoff, Patience
 from ..metrics import say
-from ..stopsaving import MIN_LAG, NotedStop, StopVotes
+from ..stopsaving import MIN_LAG, NotedStop, StopVotes, named_ranks
 from .stopping import ARMED, ASKED, StopTogether
 from .world import joined, world
 
@@ -94,7 +94,7 @@ class AgreedStop:
         self.noted.agreed()
         own = [self.worker_ranks[i] for i, s in enumerate(signals) if s and not s & _HEARD]
         name = signal.Signals(int(max(signals)) & ~_HEARD).name
-        where = f"on rank{'s' * (len(own) > 1)} {', '.join(map(str, own))}" if own else "on a serving rank"
+        where = f"on {named_ranks(own)}" if own else "on a serving rank"
         say(
             f"[psgrad rank {self.stops.rank}] {name} {where}: every worker stops after this step "
             "(psgrad.should_stop() is True): save and end your loop"
