@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install psgrad with what it needs; idempotent and quick when done.
 #   bash launch/setup.sh          runtime: torch, MPICH from pip, psgrad
-#   bash launch/setup.sh test     + pytest, hypothesis, ruff, matplotlib
+#   bash launch/setup.sh test     + pytest (and pytest-xdist), hypothesis, ruff, matplotlib
 # PSGRAD_VENV=path picks another venv; PSGRAD_SYSTEM_MPI=1 skips the pip MPICH (use an mpi4py
 # built against your system MPI instead, see docs/launch.md). torch: PSGRAD_TORCH=version (default
 # 2.13.0) from pip's index, or from PSGRAD_TORCH_INDEX=url (https://download.pytorch.org/whl/cpu for

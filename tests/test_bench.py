@@ -145,16 +145,15 @@ def test_a_signal_stops_the_running_job_and_says_so(tmp_path, signal_name, group
     seen: dict[str, float] = {}
     cmd = [sys.executable, "-m", "psgrad", "bench", "--mpiexec", mpiexec(), *SMALL, "--steps", "100000"]
     proc = interrupt_when(
-        [*cmd, "--lr", "0.01", "--codecs", "none;sign"], training, tmp_path / "err", env=OUTSIDE_MPI,
-        sig=getattr(signal, signal_name), group=group,
+        [*cmd, "--lr", "0.01", "--codecs", "none;sign"], training, tmp_path / "err",
+        env={**OUTSIDE_MPI, "TMPDIR": str(tmp_path)}, sig=getattr(signal, signal_name), group=group,
     )  # fmt: skip
     assert proc.returncode == status, proc.stderr[-3000:]
     assert f"[bench] {said} in run 1/2: its job was stopped, no table" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Aborted!" not in proc.stderr, proc.stderr[-3000:]
     deadline = time.monotonic() + 10  # the job's processes may take a moment to go
-    while (
-        left := subprocess.run(["pgrep", "-af", "psgrad[.]bench /"], capture_output=True, text=True)
-    ).returncode == 0:
+    ours = f"psgrad[.]bench {tmp_path}/"  # its job file is in TMPDIR: other tests' jobs may run meanwhile
+    while (left := subprocess.run(["pgrep", "-af", ours], capture_output=True, text=True)).returncode == 0:
         if time.monotonic() > deadline:
             pytest.fail(f"the stopped job's processes are still running:\n{left.stdout}")
         time.sleep(0.2)

@@ -19,7 +19,7 @@ MORE = 4  # steps trained after the stop, resumed and straight
 
 
 def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, *args]
 
 
 def _stopped(tmp_path, *, to: str) -> tuple[int, str]:

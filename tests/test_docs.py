@@ -113,7 +113,7 @@ def test_ddp_hook_example_runs_under_torchrun(tmp_path):
     script = re.findall(r"```python\n(.*?)```", (DOCS / "api.md").read_text(), re.S)[2]
     assert script.startswith("# ddp_train.py")
     (tmp_path / "ddp_train.py").write_text(script)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ddp_train.py"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "ddp_train.py"]
     out = run_bounded(command, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"epoch \d loss ([0-9.]+)", out.stdout)]

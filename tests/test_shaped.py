@@ -13,6 +13,9 @@ from test_bench import SMALL, _launcher
 
 from psgrad.bench import netshape
 
+# These tests count every psgrad namespace on the machine: under pytest -n, on one worker in turn.
+pytestmark = pytest.mark.xdist_group("network-namespaces")
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not sys.platform.startswith("linux") or not (shutil.which("ip") and shutil.which("tc")),
     reason="shaped runs need root on Linux with iproute2 (network namespaces, veth, tc)",
