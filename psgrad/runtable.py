@@ -8,6 +8,8 @@
    evaluation pauses out of the clock.
 4. The runs are ranked by seconds to the target, each with its time as a multiple of the fastest
    run's; the runs that never reached it come last, then the runs never evaluated.
+5. A default target that lies ``LOW_TARGET_GAP`` or more below another run's best accuracy is
+   said (``low_target_note``): there a run that stops learning early can rank first.
 """
 
 from __future__ import annotations
@@ -75,6 +77,28 @@ def common_target(runs: list[RunFigures]) -> float | None:
     """The highest test accuracy every evaluated run reached; None when none was evaluated."""
     best = [run.best_acc for run in runs if run.evaluated]
     return min(best) if best else None
+
+
+LOW_TARGET_GAP = 0.02
+"""Two points of accuracy: more than rounding alone moved one run on the proxy (up to 1.6 points,
+docs/benchmarks.md, "How these are measured"), so the runs learned differently."""
+
+
+def low_target_note(records: list[dict], target: float | None) -> str | None:
+    """A note when ``target`` (the default: the weakest run's best) lies ``LOW_TARGET_GAP`` or more
+    below the best run's best accuracy, naming both runs; None otherwise."""
+    evaluated = [r for r in records if not math.isnan(r["best_acc"])]
+    if target is None or len(evaluated) < 2:
+        return None
+    weakest = min(evaluated, key=lambda r: r["best_acc"])
+    strongest = max(evaluated, key=lambda r: r["best_acc"])
+    if strongest["best_acc"] - target < LOW_TARGET_GAP:
+        return None
+    return (
+        f"note: {weakest['label']} set the target, its best accuracy, while {strongest['label']} reached "
+        f"{strongest['best_acc']:.3f}: this ranks who got to {target:.3f} first, not who learned most. "
+        "--target-accuracy ranks the runs at an accuracy you choose (a run that never gets there: not reached)"
+    )
 
 
 def ranked(runs: list[RunFigures], target: float | None) -> list[dict]:

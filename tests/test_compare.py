@@ -69,6 +69,12 @@ def test_the_command_prints_the_table_its_json_and_what_it_could_not_compare(tmp
     assert lines[2].startswith("sign --feedback ef (02-r1-sign)") and lines[2].endswith("1.00x")
     assert lines[3].startswith("01-r1-none") and lines[3].endswith("2.00x")
     assert "not compared, no steps logged (DDP, compute-only and --api optimizer rows): 03-r1-compute" in done.output
+    assert (
+        "note: sign --feedback ef (02-r1-sign) set the target, its best accuracy, while 01-r1-none reached 0.800: "
+        "this ranks who got to 0.750 first, not who learned most" in done.output
+    ), done.output
+    done = CliRunner().invoke(main, ["compare", str(tmp_path / "bench"), "--target-accuracy", "0.75"])
+    assert done.exit_code == 0 and "set the target" not in done.output, done.output  # a target of the user's own
     done = CliRunner().invoke(main, ["compare", str(tmp_path / "bench"), "--target-accuracy", "0.8", "--json", "-"])
     assert done.exit_code == 0, done.output
     out = json.loads(done.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
@@ -132,3 +138,14 @@ def test_a_run_whose_metrics_miss_steps_is_said_so_and_the_others_still_rank(tmp
     assert rows[0].startswith("whole") and rows[0].endswith("1.00x"), done.output
     assert rows[1].startswith("gap") and rows[1].endswith("steps missing"), done.output
     assert "steps missing: its metrics.csv lacks steps before the target" in done.output
+
+
+def test_a_default_target_close_to_every_runs_best_is_not_noted(tmp_path):
+    """Runs whose best accuracies lie within two points of each other learned alike: no note."""
+    _run(tmp_path / "a", step_seconds=1.0, accuracies={9: 0.80})
+    _run(tmp_path / "b", step_seconds=0.5, accuracies={9: 0.785})
+    done = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert done.exit_code == 0 and "set the target" not in done.output, done.output
+    _run(tmp_path / "c", step_seconds=0.5, accuracies={9: 0.775})
+    done = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "c")])
+    assert "note: c set the target, its best accuracy, while a reached 0.800" in done.output, done.output

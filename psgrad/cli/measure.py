@@ -208,9 +208,10 @@ def compare(log_dirs: tuple[str, ...], target_accuracy: float | None, json_path:
     Each row: the steps logged, the wall time of training, MB sent a step, the last and best test
     accuracy, and the steps, seconds and MB to the target, the seconds also as a multiple of the
     fastest run's (evaluation pauses left out). A folder without a metrics.csv stands for the runs
-    in it, as in psgrad plot."""
+    in it, as in psgrad plot. When the default target lies 2 points or more below another run's
+    best accuracy, a note names both runs: a run that stops learning early can rank first there."""
     from ..runlogs import MetricsFileError, rows_not_drawn, run_dirs
-    from ..runtable import common_target, figures, ranked, table
+    from ..runtable import common_target, figures, low_target_note, ranked, table
 
     try:
         runs = [figures(d) for d in run_dirs([Path(d) for d in log_dirs])]
@@ -237,6 +238,8 @@ def compare(log_dirs: tuple[str, ...], target_accuracy: float | None, json_path:
             else ""
         )
     )
+    if target_accuracy is None and (note := low_target_note(records, target)):
+        click.echo(note)
     if len(data := {r["data"] for r in records if r["data"] != "?"}) > 1:
         click.echo(
             f"note: the runs were scored on different data ({', '.join(sorted(data))}): their accuracies do not compare"
