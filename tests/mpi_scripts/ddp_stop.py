@@ -61,6 +61,7 @@ def main() -> None:
     if mode in ("resume", "straight"):
         torch.save(model.state_dict(), out / f"{mode}-{rank}.pt")
     del ddp
+    dist.barrier()  # no rank tears gloo down while another has a collective in flight (docs/api.md)
     dist.destroy_process_group()
 
 
