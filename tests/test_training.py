@@ -1102,3 +1102,29 @@ def test_a_short_run_learns_the_digits(tmp_path):
     assert done.exit_code == 0, done.output[-3000:]
     accuracy = float(done.stderr.split("test accuracy ")[1].split(" ")[0])
     assert accuracy > 0.5, done.stderr[-2000:]  # chance is 0.1
+
+
+def test_a_stop_python_would_drop_is_raised_again_at_the_next_line(capsys):
+    """A SIGTERM's exception raised where Python drops exceptions (here a ``__del__``; in a job,
+    the at-fork hook that runs as a DataLoader forks its workers) is not lost: the signal comes
+    again and raises at the main thread's next line, without Python's "Exception ignored" report.
+    The rank then stops as it should, instead of training on until its dead loader fails it."""
+    import signal
+    import sys
+    import time
+
+    from psgrad.runtime.signals import Terminated, stop_signals_raise
+
+    class Dropping:
+        def __del__(self):
+            raise Terminated(signal.SIGTERM)  # as the handler raises it, inside the hook
+
+    before = sys.unraisablehook
+    with stop_signals_raise(), pytest.raises(Terminated):
+        dropping = Dropping()
+        del dropping
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the main thread's next lines, where the handler runs
+            time.sleep(0.01)
+    assert sys.unraisablehook is before
+    assert "Exception ignored" not in capsys.readouterr().err

@@ -4,9 +4,11 @@ the job before MPI starts (its size, this rank)."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -40,17 +42,53 @@ def stop_reason(err: KeyboardInterrupt) -> tuple[str, int]:
 
 @contextlib.contextmanager
 def stop_signals_to(handler: Callable[[int, object], None]) -> Iterator[None]:
-    """Within, ``handler`` takes each of ``STOP_SIGNALS``; the handlers before are back after.
-    Elsewhere than in the main thread (which alone may set handlers) it does nothing."""
+    """Within, ``handler`` takes each of ``STOP_SIGNALS``, and a stop Python would drop is raised
+    again (``_stops_kept``); the handlers before are back after. Elsewhere than in the main thread
+    (which alone may set handlers) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    unraisable, sys.unraisablehook = sys.unraisablehook, _stops_kept(sys.unraisablehook)
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+_AGAIN_SECONDS = 0.01
+"""How long after a stop was dropped its signal comes again: the main thread is out of the hook
+by then (if it is in another that drops it, it comes again after that one)."""
+
+
+def _stops_kept(previous: Callable) -> Callable:
+    """A ``sys.unraisablehook`` that keeps stops: a Ctrl-C or SIGTERM raised where Python drops
+    exceptions (an at-fork hook, as when a DataLoader forks its workers; a ``__del__``) would be
+    lost, and the rank would train on. Its signal is raised again instead, for the handler to run
+    at the main thread's next line, and nothing is printed. Any other drop goes to ``previous``."""
+    if getattr(previous, "keeps_stops", False):
+        return previous
+
+    def hook(unraisable) -> None:
+        stop = unraisable.exc_value
+        if isinstance(stop, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            # from another thread, a moment later: raised from here (signal.raise_signal, os.kill,
+            # even _thread.interrupt_main) the handler runs before this hook returns, and its
+            # exception is dropped again
+            signum = getattr(stop, "signum", signal.SIGINT)  # Terminated's, or Ctrl-C's
+            again = threading.Timer(_AGAIN_SECONDS, _thread.interrupt_main, args=(signum,))
+            again.daemon = True  # the process may end meanwhile: the stop then happened anyway
+            try:
+                again.start()
+                return
+            except RuntimeError:  # no new thread while the interpreter shuts down
+                pass
+        previous(unraisable)
+
+    hook.keeps_stops = True  # type: ignore[attr-defined]
+    return hook
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -84,12 +122,14 @@ def stop_signals_raise_from_now() -> None:
     """From now on, each of ``STOP_SIGNALS`` still at its default action raises ``Terminated`` in
     the main thread, as within ``stop_signals_raise`` (``psgrad.init``: for a script's whole run,
     so that a terminated rank says where it stopped instead of dying without a word, and the
-    script's ``finally`` blocks run); a handler the script set itself stays. Main thread only."""
+    script's ``finally`` blocks run); a handler the script set itself stays. A stop Python would
+    drop is raised again (``_stops_kept``). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) == signal.SIG_DFL:
             signal.signal(sig, _raise_terminated)
+    sys.unraisablehook = _stops_kept(sys.unraisablehook)
 
 
 def stop_signals_end_the_rank() -> contextlib.AbstractContextManager[None]:
