@@ -1128,3 +1128,28 @@ def test_a_stop_python_would_drop_is_raised_again_at_the_next_line(capsys):
             time.sleep(0.01)
     assert sys.unraisablehook is before
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_a_process_forked_while_stops_raise_ends_by_sigterm_without_a_word(capfd):
+    """A DataLoader's worker is forked from a rank: psgrad's SIGTERM handler is not its own, and a
+    scheduler's SIGTERM to the process group ends it as without psgrad, not with a traceback."""
+    import os
+    import signal
+    import time
+
+    from psgrad.runtime.signals import stop_signals_raise
+
+    with stop_signals_raise():
+        ready, said = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: waits for its signal, as a worker between batches
+            try:
+                os.write(said, b"x")
+                time.sleep(30)
+            finally:
+                os._exit(3)  # reached only when the SIGTERM raised
+        os.read(ready, 1)  # forked and running: a signal before that is CPython's to drop
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    assert "Traceback" not in capfd.readouterr().err

@@ -95,6 +95,25 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+def _forked_child_ends_by_stop_signals() -> None:
+    """In a process forked from a rank (a DataLoader's worker): each of ``STOP_SIGNALS`` that
+    psgrad's handler took ends it as without psgrad. A scheduler's SIGTERM reaches the whole
+    process group; raised as ``Terminated`` in a worker just forked, before its loop could catch
+    it, it printed a traceback beside the rank's one line. (A Python handler that ends it, not
+    SIG_DFL: a signal noted before the switch runs the handler there is when Python gets to it.)"""
+    for sig in STOP_SIGNALS:
+        if getattr(signal.getsignal(sig), "__module__", "").startswith("psgrad."):
+            signal.signal(sig, _end_quietly)
+
+
+def _end_quietly(signum: int, frame: object) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+os.register_at_fork(after_in_child=_forked_child_ends_by_stop_signals)
+
+
 def die_by_signal(signum: int) -> None:
     """End this process by ``signum``'s default action (the process manager then ends the job),
     after removing the MPI library's shared-memory segments it maps (runtime/segments.py)."""
