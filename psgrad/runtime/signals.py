@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -96,19 +97,23 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _forked_child_ends_by_stop_signals() -> None:
-    """In a process forked from a rank (a DataLoader's worker): each of ``STOP_SIGNALS`` that
-    psgrad's handler took ends it as without psgrad. A scheduler's SIGTERM reaches the whole
-    process group; raised as ``Terminated`` in a worker just forked, before its loop could catch
-    it, it printed a traceback beside the rank's one line. (A Python handler that ends it, not
-    SIG_DFL: a signal noted before the switch runs the handler there is when Python gets to it.)"""
+    """In a process forked from a rank (a DataLoader's worker): psgrad's handler of each of
+    ``STOP_SIGNALS`` stays, but where it would raise, the process ends by the signal instead,
+    quietly. A scheduler's SIGTERM reaches the whole process group; raised as ``Terminated`` in a
+    worker just forked, before its loop could catch it, it printed a traceback beside the rank's
+    one line. A stop the handler notes to be saved still only notes it."""
     for sig in STOP_SIGNALS:
-        if getattr(signal.getsignal(sig), "__module__", "").startswith("psgrad."):
-            signal.signal(sig, _end_quietly)
+        inherited = signal.getsignal(sig)
+        if getattr(inherited, "__module__", "").startswith("psgrad."):
+            signal.signal(sig, functools.partial(_raising_ends_quietly, inherited))
 
 
-def _end_quietly(signum: int, frame: object) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+def _raising_ends_quietly(inherited: Callable[[int, object], None], signum: int, frame: object) -> None:
+    try:
+        inherited(signum, frame)
+    except KeyboardInterrupt:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 os.register_at_fork(after_in_child=_forked_child_ends_by_stop_signals)
