@@ -96,6 +96,12 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+def is_psgrads_handler(handler: object) -> bool:
+    """Whether ``handler`` (from ``signal.getsignal``) is one psgrad set: another library's or the
+    user's own is left as it is."""
+    return getattr(handler, "__module__", "").startswith("psgrad.")
+
+
 def _forked_child_ends_by_stop_signals() -> None:
     """In a process forked from a rank (a DataLoader's worker): psgrad's handler of each of
     ``STOP_SIGNALS`` stays, but where it would raise, the process ends by the signal instead,
@@ -104,7 +110,7 @@ def _forked_child_ends_by_stop_signals() -> None:
     one line. A stop the handler notes to be saved still only notes it."""
     for sig in STOP_SIGNALS:
         inherited = signal.getsignal(sig)
-        if getattr(inherited, "__module__", "").startswith("psgrad."):
+        if is_psgrads_handler(inherited):
             signal.signal(sig, functools.partial(_raising_ends_quietly, inherited))
 
 

@@ -80,7 +80,7 @@ class StopTogether:
         """Note this rank's own stops (main thread: after ``init`` set its handlers), and listen."""
         for sig in (signal.SIGINT, *STOP_SIGNALS) if threading.current_thread() is threading.main_thread() else ():
             handler = signal.getsignal(sig)
-            if handler is signal.default_int_handler or getattr(handler, "__module__", "").startswith("psgrad."):
+            if handler is signal.default_int_handler or signals.is_psgrads_handler(handler):
                 signal.signal(sig, self._noting(handler))
         if self._notices:
             self._thread.start()
