@@ -13,9 +13,6 @@ from test_bench import SMALL, _launcher
 
 from psgrad.bench import netshape
 
-# These tests count every psgrad namespace on the machine: under pytest -n, on one worker in turn.
-pytestmark = pytest.mark.xdist_group("network-namespaces")
-
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not sys.platform.startswith("linux") or not (shutil.which("ip") and shutil.which("tc")),
     reason="shaped runs need root on Linux with iproute2 (network namespaces, veth, tc)",
@@ -60,6 +57,24 @@ def test_shaped_bench_is_rate_limited_and_cleans_up(tmp_path):
     ddp = rows["ddp"]
     assert ddp["it_per_s"] * ddp["bytes_up"] / 2 * 8 <= rate * 1.1
     assert _ours() == []
+
+
+def test_a_namespace_that_cannot_be_removed_is_said_with_the_command(monkeypatch, capsys):
+    def busy(*args, check=True):
+        return subprocess.CompletedProcess(
+            ["ip", *args], 1, "", "Cannot remove namespace file: Device or resource busy"
+        )
+
+    monkeypatch.setattr(netshape, "_ip", busy)
+    net = netshape.ShapedNetwork(1, "10mbit")
+    net.created = [net.switch, net.namespace(0)]
+    net.remove()
+    err = capsys.readouterr().err
+    for name in (net.switch, net.namespace(0)):
+        assert (
+            f"network namespace {name} was not removed (Cannot remove namespace file: Device or resource busy)" in err
+        )
+        assert f"ip netns del {name}" in err
 
 
 @needs_root

@@ -130,8 +130,7 @@ def remove_stale() -> list[str]:
     removed = []
     for name in _namespaces():
         match = _PREFIX_RE.match(name)
-        if match and not _alive(int(match.group(1))):
-            _ip("netns", "del", name, check=False)
+        if match and not _alive(int(match.group(1))) and _ip("netns", "del", name, check=False).returncode == 0:
             removed.append(name)
     return removed
 
@@ -185,8 +184,15 @@ class ShapedNetwork:
             _tbf(self.switch, port, self.rate_bits)
 
     def remove(self) -> None:
+        """Delete every namespace made, the switch last; one that stays is said, with the command
+        that removes it (a namespace left behind holds its veth and qdiscs until someone does)."""
         for name in reversed(self.created):
-            _ip("netns", "del", name, check=False)
+            proc = _ip("netns", "del", name, check=False)
+            if proc.returncode != 0:
+                said = proc.stderr.strip() or f"exit status {proc.returncode}"
+                print(
+                    f"[bench] network namespace {name} was not removed ({said}): ip netns del {name}", file=sys.stderr
+                )
         self.created.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
