@@ -253,9 +253,14 @@ class StopSaving:
     def stop(self) -> None:
         """After the agreed stop's checkpoint and the roles' finish: raise ``SavedStop`` (4)."""
         self.transport.barrier()  # rank 0 has marked the checkpoint complete before any rank aborts
+        signalled = self.signalled
+        if self.noted.signum and self.shared is None:
+            # this rank's own signal counts though it came after the vote that agreed the stop: a
+            # scheduler that signals every rank reaches one a moment later than another
+            signalled = sorted({*signalled, self.transport.rank})
         raise SavedStop(
             self.signum,
             step=self.checkpoints.stop_step + 1,
             saved=str(self.checkpoints.last_saved),
-            signalled=self.signalled,
+            signalled=signalled,
         )

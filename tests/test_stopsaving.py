@@ -106,6 +106,28 @@ def test_a_rank_that_cannot_agree_on_a_stop_stops_at_once_after_its_patience(tmp
     assert PATIENCE <= took < PATIENCE + 30, (took, proc.stderr[-3000:])
 
 
+@pytest.mark.parametrize(
+    "rank,noted,said", [(1, True, "terminated (SIGTERM)"), (2, False, "stopped with the job (SIGTERM on rank 0)")]
+)
+def test_a_rank_signalled_after_the_agreeing_vote_says_it_was_terminated(rank, noted, said):
+    """The vote that agreed the stop held rank 0's SIGTERM only; a rank whose own came a moment
+    later (a scheduler signals every rank, not all at once) says it was terminated, one that got
+    none that it stopped with the job."""
+    from types import SimpleNamespace
+
+    from psgrad.stopsaving import SavedStop, StopSaving
+
+    transport = SimpleNamespace(rank=rank, size=3, shared_stop=lambda: None, barrier=lambda: None)
+    checkpoints = SimpleNamespace(enabled=True, stop_step=30, last_saved="run/ckpt-step30", total=1000)
+    cfg = SimpleNamespace(mode="sync", staleness=0, local_steps=1, overlap_exchange=False, overlap_steps=0)
+    saving = StopSaving(transport, checkpoints=checkpoints, cfg=cfg, wanted=True)
+    saving.noted.signum = signal.SIGTERM if noted else 0
+    saving.signum, saving.signalled = signal.SIGTERM, [0]
+    with pytest.raises(SavedStop) as stop:
+        saving.stop()
+    assert stop.value.said(rank) == f"{said} after step 30, every rank's state saved in run/ckpt-step30"
+
+
 def test_a_sigterm_delivered_twice_at_once_is_one_saved_stop(tmp_path):
     """A scheduler signals every process of a job, and the launcher (srun, mpiexec, the restarts
     supervisor) passes its own SIGTERM on: a rank may get two within a moment. That is one stop,
