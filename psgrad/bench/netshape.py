@@ -189,10 +189,10 @@ class ShapedNetwork:
         for name in reversed(self.created):
             proc = _ip("netns", "del", name, check=False)
             if proc.returncode != 0:
+                from ..metrics import say  # here only: it imports numpy, and every rank starts through this module
+
                 said = proc.stderr.strip() or f"exit status {proc.returncode}"
-                print(
-                    f"[bench] network namespace {name} was not removed ({said}): ip netns del {name}", file=sys.stderr
-                )
+                say(f"[bench] network namespace {name} was not removed ({said}): ip netns del {name}")
         self.created.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
