@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from psgrad.cli import main
 from psgrad.comm import wire
+from psgrad.models import build_model
 from psgrad.plan import (
     PSGRAD_LAYER_OVERHEAD_S,
     SERVING_SHARE,
@@ -212,6 +213,61 @@ def test_a_link_bound_cell_keeps_its_figure():
     assert 0 < share < 0.001
 
 
+MLP_SHAPES = [tuple(p.shape) for p in build_model("mlp", 100).parameters()]
+PLAN = ["plan", "--model", "mlp", "--step-ms", "50", "--workers", "2,8", "--bandwidth", "1gbit,10mbit"]
+
+
+def test_several_codecs_and_topologies_compare_in_one_table_each_row_its_own_plan():
+    """Every topology with every codec that can run on it, side by side under a label: each row
+    the figures of that combination planned alone, the ones that cannot run said, not dropped."""
+    both = ["--topology", "colocated", "--topology", "ddp", "--codec", "none", "--codec", "powersgd:rank=2"]
+    done = CliRunner().invoke(main, [*PLAN, *both])
+    assert done.exit_code == 0, done.output
+    header, table = done.output.split("plan  workers")[0], done.output.split("\n\n")[0].splitlines()
+    assert "  A: none up, none down, colocated" in header and "  B: powersgd:rank=2 up, none down, colocated" in header
+    assert "  C: none up, none down, ddp\n" in header
+    assert "  not planned: ddp with powersgd:rank=2: --topology ddp all-reduces the dense gradient" in header
+    rows = [line.split() for line in table if re.match(r" +[A-C] ", line)]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (label, workers, link) for workers in "28" for link in ("1", "10") for label in "ABC"
+    ]
+    for label, topology, codec in (
+        ("A", "colocated", "none"),
+        ("B", "colocated", "powersgd:rank=2"),
+        ("C", "ddp", "none"),
+    ):
+        alone = CliRunner().invoke(main, [*PLAN, "--topology", topology, "--codec", codec])
+        assert alone.exit_code == 0, alone.output
+        own = [line.split() for line in alone.output.split("\n\n")[0].splitlines()[2:]]
+        assert [r[1:] for r in rows if r[0] == label] == own
+        # and the last row (8 workers, 10 Mbit/s) is the cost model's own figure
+        alone_at_8 = plan(
+            Scenario(shapes=MLP_SHAPES, topology=topology, codec=codec, workers=8, bandwidth_bps=10e6, compute_s=0.05)
+        )
+        assert own[-1][3] == f"{alone_at_8.step_s * 1e3:.1f}"
+    accuracy = done.output.split("\n\n")[1]
+    assert "A: accuracy: dense" in accuracy and "C: accuracy: dense" in accuracy
+    assert "B: accuracy, measured" in accuracy and "\n     --feedback none: 0.98x on the proxy" in accuracy
+
+
+def test_a_comparison_says_why_each_combination_that_cannot_run_is_not_planned():
+    one_runs = CliRunner().invoke(main, [*PLAN, "--topology", "ddp", "--topology", "colocated", "--codec", "sign"])
+    assert one_runs.exit_code == 0, one_runs.output
+    assert one_runs.output.startswith("0.2 M parameters, sign up, none down, colocated, compute 50.0 ms a step")
+    assert "\n  not planned: ddp with sign: --topology ddp all-reduces the dense gradient" in one_runs.output
+    done = CliRunner().invoke(main, [*PLAN, "--topology", "ddp", "--codec", "sign", "--codec", "qsgd"])
+    assert done.exit_code == 2, done.output
+    assert "no combination can run:" in done.output
+    assert "ddp with sign: --topology ddp all-reduces" in done.output and "ddp with qsgd:" in done.output
+
+
+def test_servers_are_refused_only_when_no_compared_topology_has_ranks_that_only_serve():
+    with_ps = CliRunner().invoke(main, [*PLAN, "--servers", "2", "--topology", "ps", "--topology", "colocated"])
+    assert with_ps.exit_code == 0, with_ps.output
+    without = CliRunner().invoke(main, [*PLAN, "--servers", "2", "--topology", "alltoall", "--topology", "ddp"])
+    assert without.exit_code == 2 and "--servers" in without.output, without.output
+
+
 @pytest.mark.parametrize(
     "args,fragment",
     [
@@ -298,3 +354,20 @@ def test_the_predicted_speeds_come_with_the_accuracy_psgrad_measured(args, said)
     for fragment in said:
         assert fragment in accuracy, accuracy
     assert accuracy.count("--feedback") == sum("--feedback" in fragment for fragment in said), accuracy
+
+
+def test_the_examples_in_docs_print_what_the_docs_show():
+    """docs/planning.md's console examples are the command's output, line for line (what a page
+    shows past a cut is left out there: every line shown must be printed, in order)."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    examples = re.findall(r"```console\n\$ psgrad (plan [^\n]*)\n(.*?)```", text, flags=re.S)
+    assert len(examples) >= 2
+    for command, shown in examples:
+        done = CliRunner().invoke(main, shlex.split(command))
+        assert done.exit_code == 0, done.output
+        printed = iter(done.output.splitlines())
+        for line in shown.splitlines():
+            assert line in printed, f"{command}: {line!r} is not printed (in that order):\n{done.output}"

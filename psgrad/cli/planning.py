@@ -9,6 +9,7 @@ import click
 
 from ..choices import MODEL_NAMES
 from .group import main
+from .planrules import check_options, refuse_unused
 
 if TYPE_CHECKING:  # the model loads torch: not for --help
     from ..plan import Scenario
@@ -77,14 +78,24 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     default=0,
     help="With --matrices: parameters in 1-D tensors (biases, norms).",
 )
-@click.option("--codec", default="none", show_default=True, help="The up-link codec spec (psgrad codecs --list).")
+@click.option(
+    "--codec",
+    "codecs",
+    multiple=True,
+    default=("none",),
+    show_default=True,
+    help="The up-link codec spec (psgrad codecs --list); give it again to compare codecs in one table.",
+)
 @click.option("--down-codec", default="none", show_default=True, help="The down-link codec spec (none: dense values).")
 @click.option(
     "--topology",
+    "topologies",
     type=click.Choice(("ps", "colocated", "alltoall", "ring", "ddp", "ddp-powersgd")),
-    default="colocated",
+    multiple=True,
+    default=("colocated",),
     show_default=True,
-    help="psgrad's topologies, torch DDP's ring all-reduce, or DDP with its PowerSGD hook (--codec powersgd:rank=R).",
+    help="psgrad's topologies, torch DDP's ring all-reduce, or DDP with its PowerSGD hook (--codec powersgd:rank=R); "
+    "give it again to compare: every topology with every --codec that can run on it.",
 )
 @click.option(
     "--workers", default="2", show_default=True, callback=_numbers(int, "worker counts"), help="Workers, e.g. 2,4,8."
@@ -172,9 +183,9 @@ def plan(
     classes: int,
     matrices: str | None,
     vector_params: int,
-    codec: str,
+    codecs: tuple[str, ...],
     down_codec: str,
-    topology: str,
+    topologies: tuple[str, ...],
     workers: tuple[int, ...],
     servers: int,
     bandwidth: tuple[int, ...],
@@ -194,148 +205,120 @@ def plan(
     import dataclasses
 
     from ..plan import Scenario
-    from ..plan import plan as predict
 
-    _check(codecs=(codec, down_codec), local_steps=local_steps, overlap_exchange=overlap_exchange,
-           overlap_steps=overlap_steps, fragments=fragments, step_ms=step_ms, matrices=matrices)  # fmt: skip
-    _refuse_unused(model=model, depth=depth, matrices=matrices, step_ms=step_ms, topology=topology)
-    _refuse_what_runs_refuse(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps,
-                             overlap_exchange=overlap_exchange, overlap_steps=overlap_steps, fragments=fragments)  # fmt: skip
+    exchange = {"overlap_exchange": overlap_exchange, "overlap_steps": overlap_steps, "fragments": fragments}
+    check_options(codecs=(*codecs, down_codec), local_steps=local_steps, step_ms=step_ms, matrices=matrices, **exchange)
+    refuse_unused(model=model, depth=depth, matrices=matrices, step_ms=step_ms, topologies=topologies)
+    runnable, refused = _combinations(topologies=topologies, codecs=codecs, down_codec=down_codec,
+                                      local_steps=local_steps, **exchange)  # fmt: skip
     shapes, step_ms = _shapes_and_step(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
     )  # fmt: skip
     given = Scenario(
-        shapes=shapes, codec=codec, down_codec=down_codec, topology=topology, servers=servers, rtt_s=rtt_ms / 1e3,
-        compute_s=step_ms / 1e3, local_steps=local_steps, overlap_exchange=overlap_exchange,
-        overlap_steps=overlap_steps, fragments=fragments, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
-        layer_overhead_s=None if layer_overhead_ms is None else layer_overhead_ms / 1e3,
+        shapes=shapes, down_codec=down_codec, servers=servers, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
+        local_steps=local_steps, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
+        layer_overhead_s=None if layer_overhead_ms is None else layer_overhead_ms / 1e3, **exchange,
     )  # fmt: skip
-    click.echo(_header(given))
-    click.echo(f"{'workers':>7}  {'link':>11}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck")
-    for n in workers:
-        for rate in bandwidth:
-            result = predict(dataclasses.replace(given, workers=n, bandwidth_bps=rate))
-            click.echo(
-                f"{n:>7}  {_rate(rate):>11}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
-                f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
-            )
+    plans = [dataclasses.replace(given, topology=topology, codec=codec) for topology, codec in runnable]
+    labels = [_label(i) for i in range(len(plans))] if len(plans) > 1 else [""]
+    _say_what_is_planned(plans=plans, labels=labels, refused=refused)
+    _say_table(plans=plans, labels=labels, workers=workers, bandwidth=bandwidth)
     click.echo()  # what the speeds are worth: the accuracy psgrad measured (docs/benchmarks.md)
-    for line in _accuracy(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps,
-                          overlap_exchange=overlap_exchange, overlap_steps=overlap_steps, fragments=fragments):  # fmt: skip
-        click.echo(line)
+    for label, planned in zip(labels, plans, strict=True):
+        lines = _accuracy(topology=planned.topology, codec=planned.codec, down_codec=down_codec,
+                          local_steps=local_steps, **exchange)  # fmt: skip
+        for i, line in enumerate(lines):
+            click.echo(f"{label}: {line}" if label and not i else f"{'   ' if label else ''}{line}")
 
 
-def _header(s: Scenario) -> str:
-    """What is planned, in one line: the model, codecs, topology, compute, links, exchanges and
-    psgrad's own CPU time a layer."""
-    from ..plan import own_layer_overhead_s
+def _combinations(
+    *, topologies: tuple[str, ...], codecs: tuple[str, ...], down_codec: str, local_steps: int, **exchange
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every topology with every codec, each once, in the order given: those a run could start
+    with, and a reason for each that it could not. One combination that cannot run is a usage
+    error, as is a comparison of which none can."""
+    from .planrules import why_refused
 
-    params = sum(math.prod(shape) for shape in s.shapes)
-    own = own_layer_overhead_s(s)
+    runnable, refused = [], []
+    combinations = [(topology, codec) for topology in dict.fromkeys(topologies) for codec in dict.fromkeys(codecs)]
+    for topology, codec in combinations:
+        why = why_refused(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps, **exchange)
+        if why is None:
+            runnable.append((topology, codec))
+        else:
+            refused.append(why if len(combinations) == 1 else f"{topology} with {codec}: {why}")
+    if not runnable:
+        raise click.UsageError(
+            refused[0] if len(refused) == 1 else "no combination can run:\n  " + "\n  ".join(refused)
+        )
+    return runnable, refused
+
+
+def _label(index: int) -> str:
+    """A, B, ..., Z, AA, AB, ...: the name of a compared combination in the table."""
+    letter = chr(ord("A") + index % 26)
+    return letter if index < 26 else _label(index // 26 - 1) + letter
+
+
+def _say_what_is_planned(*, plans: list[Scenario], labels: list[str], refused: list[str]) -> None:
+    """The header: one line for one combination; for several, what they share, then a line for
+    each (its label, codecs, topology and psgrad's own cost a layer); then each one not planned."""
+    first = plans[0]
+    params = f"{sum(math.prod(shape) for shape in first.shapes) / 1e6:,.1f} M parameters"
+    if len(plans) == 1:
+        click.echo(f"{params}, {_combination(first)}, {_exchange(first)}{_own_cost(first)}")
+    else:
+        click.echo(f"{params}, {_exchange(first)}")
+        for label, planned in zip(labels, plans, strict=True):
+            click.echo(f"  {label}: {_combination(planned)}{_own_cost(planned)}")
+    for why in refused:
+        click.echo(f"  not planned: {why}")
+
+
+def _combination(s: Scenario) -> str:
+    return f"{s.codec} up, {s.down_codec} down, {s.topology}"
+
+
+def _exchange(s: Scenario) -> str:
+    """Compute, links and exchanges, in words."""
     return (
-        f"{params / 1e6:,.1f} M parameters, {s.codec} up, {s.down_codec} down, {s.topology}, compute "
-        f"{s.compute_s * 1e3:.1f} ms a step, RTT {s.rtt_s * 1e3:g} ms (modelled)"
+        f"compute {s.compute_s * 1e3:.1f} ms a step, RTT {s.rtt_s * 1e3:g} ms (modelled)"
         + (f", fan-in efficiency {s.fan_in_efficiency:g}" if s.fan_in_efficiency < 1 else "")
         + f", local steps {s.local_steps}"
         + (f" in {s.fragments} fragments" if s.fragments > 1 else "")
         + (f" overlapped by {s.overlap_steps or s.local_steps}" if s.overlap_exchange else "")
-        + (f", psgrad's own {own * 1e3:.2g} ms a layer" if own else "")
     )
 
 
-def _check(
-    *,
-    codecs: tuple[str, ...],
-    local_steps: int,
-    overlap_exchange: bool,
-    overlap_steps: int,
-    fragments: int,
-    step_ms: float | None,
-    matrices: str | None,
+def _own_cost(s: Scenario) -> str:
+    from ..plan import own_layer_overhead_s
+
+    own = own_layer_overhead_s(s)
+    return f", psgrad's own {own * 1e3:.2g} ms a layer" if own else ""
+
+
+def _say_table(
+    *, plans: list[Scenario], labels: list[str], workers: tuple[int, ...], bandwidth: tuple[int, ...]
 ) -> None:
-    """The options' rules that click's types cannot state, as usage errors."""
-    from ..codecs import make_codec
+    """A row for each worker count, link and combination, the combinations side by side."""
+    import dataclasses
 
-    try:
-        for spec in codecs:
-            make_codec(spec)
-    except ValueError as err:
-        raise click.UsageError(str(err)) from None
-    if overlap_steps and not overlap_exchange:
-        raise click.UsageError("--overlap-steps shapes --overlap-exchange: give --overlap-exchange")
-    if overlap_steps > local_steps:
-        raise click.UsageError(f"--overlap-steps {overlap_steps}: at most --local-steps {local_steps}")
-    if local_steps % fragments:
-        raise click.UsageError(f"--fragments {fragments} must divide --local-steps {local_steps}")
-    if step_ms is None and matrices is not None:
-        raise click.UsageError("--matrices describes a model psgrad cannot time: give its --step-ms")
+    from ..plan import plan as predict
 
-
-def _refuse_unused(*, model: str, depth: int, matrices: str | None, step_ms: float | None, topology: str) -> None:
-    """An option the plan would ignore is a usage error, as train's are: what describes psgrad's
-    model beside --matrices, a WideResNet's shape for another model, --vector-params without
-    --matrices, --batch-size (for timing) beside --step-ms, --servers where no rank only serves."""
-    from ..options import set_off_default
-    from ..roles import TOPOLOGIES
-    from .checks import refuse_wrn_shape
-
-    given = {name for name in ("model", "depth", "widen_factor", "classes", "vector_params", "batch_size", "servers")
-             if set_off_default(name)}  # fmt: skip
-    if matrices is not None and given & {"model", "classes", "depth", "widen_factor"}:
-        raise click.UsageError(
-            "--matrices describes the model: --model, --depth, --widen-factor and --classes mean nothing beside it"
-        )
-    refuse_wrn_shape(model if matrices is None else None, depth)
-    if "vector_params" in given and matrices is None:
-        raise click.UsageError("--vector-params adds to --matrices: give --matrices, or nothing for psgrad's models")
-    if "batch_size" in given and step_ms is not None:
-        raise click.UsageError("--batch-size is for timing --model's step here: it means nothing beside --step-ms")
-    psgrads = TOPOLOGIES.get(topology)  # None for DDP's, which has no server ranks either
-    if "servers" in given and (psgrads is None or "servers" in psgrads.ignores):
-        raise click.UsageError(
-            psgrads.ignores["servers"] if psgrads else f"--servers means nothing to --topology {topology}"
-        )
-
-
-_DDP_CODEC = {"ddp": "none", "ddp-powersgd": "powersgd"}
-"""The codec each of torch DDP's steps that plan compares with runs: plain, or its PowerSGD hook."""
-
-
-def _refuse_what_runs_refuse(*, topology: str, codec: str, down_codec: str, local_steps: int, **exchange) -> None:
-    """A plan of a run that cannot be started is a usage error: for psgrad's topologies, the
-    checks and refusals ``psgrad train`` makes of the same settings (``--local-steps 1`` is
-    train's per-step exchange unless an exchange option is given); for DDP's, the one codec
-    each runs (none, or PowerSGD's hook), no down-link and no local steps."""
-    from ..config import RunConfig
-    from ..config.refusals import refuse_unused
-
-    settings = _run_settings(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps, **exchange)
-    if topology in _DDP_CODEC:
-        if codec.split(":")[0] != _DDP_CODEC[topology]:
-            raise click.UsageError(
-                f"--topology {topology} all-reduces "
-                + ("PowerSGD's factors (torch's hook): give --codec powersgd:rank=R" if _DDP_CODEC[topology] != "none"
-                   else "the dense gradient: --codec none (--topology ddp-powersgd for torch's PowerSGD hook)")
-            )  # fmt: skip
-        if down_codec != "none" or settings["local_steps"]:  # local steps, or an exchange option
-            raise click.UsageError(
-                f"--topology {topology} is torch DDP's step: no --down-codec, --local-steps or exchange options"
-            )
-        return
-    try:
-        refuse_unused(list(settings), RunConfig(**settings).validate())
-    except ValueError as err:
-        raise click.UsageError(str(err)) from None
-
-
-def _run_settings(*, topology: str, codec: str, down_codec: str, local_steps: int, **exchange) -> dict:
-    """The ``psgrad train`` settings of a plan: ``--local-steps 1`` without an exchange option is
-    train's per-step exchange (``local_steps`` 0)."""
-    exchanging = exchange["overlap_exchange"] or exchange["overlap_steps"] or exchange["fragments"] > 1
-    per_step = local_steps == 1 and not exchanging
-    return {"topology": topology, "codec": codec, "down_codec": down_codec,
-            "local_steps": 0 if per_step else local_steps, **exchange}  # fmt: skip
+    plan_column = f"{'plan':>4}  " if len(plans) > 1 else ""
+    click.echo(
+        f"{plan_column}{'workers':>7}  {'link':>11}  {'step ms':>9}  {'x compute':>9}  {'link MB/exchange':>16}  bottleneck"
+    )
+    for n in workers:
+        for rate in bandwidth:
+            for label, planned in zip(labels, plans, strict=True):
+                result = predict(dataclasses.replace(planned, workers=n, bandwidth_bps=rate))
+                click.echo(
+                    (f"{label:>4}  " if plan_column else "")
+                    + f"{n:>7}  {_rate(rate):>11}  {result.step_s * 1e3:>9.1f}  {_fraction(result.utilisation):>9}  "
+                    f"{result.link_bytes / 1e6:>16.3f}  {result.bottleneck}"
+                )
 
 
 def _accuracy(*, topology: str, **settings) -> list[str]:
@@ -344,10 +327,11 @@ def _accuracy(*, topology: str, **settings) -> list[str]:
     (at rank 2, the one rank measured both ways, the two matched)."""
     from ..accuracy import accuracy_lines
     from ..config import RunConfig
+    from .planrules import DDP_CODEC, run_settings
 
-    ddp = topology in _DDP_CODEC
-    lines = accuracy_lines(RunConfig(**_run_settings(topology="colocated" if ddp else topology, **settings)))
-    if ddp and _DDP_CODEC[topology] == "powersgd":
+    ddp = topology in DDP_CODEC
+    lines = accuracy_lines(RunConfig(**run_settings(topology="colocated" if ddp else topology, **settings)))
+    if ddp and DDP_CODEC[topology] == "powersgd":
         lines[0] = lines[0].replace("accuracy", "accuracy of psgrad's powersgd (torch's hook matched it at rank 2)", 1)
     return lines
 
@@ -366,7 +350,7 @@ def _shapes_and_step(
     """The layer shapes that travel and the compute-only step in ms: ``--matrices`` as given, or
     ``--model`` built here, its step timed here when ``--step-ms`` is not given."""
     if matrices is not None:
-        assert step_ms is not None  # _check
+        assert step_ms is not None  # check_options
         return _matrix_shapes(matrices, vector_params), step_ms
     from ..models import build_model
 
