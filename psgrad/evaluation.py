@@ -64,6 +64,14 @@ class Evaluations:
             return True
         return every > 0 and (step + 1) % spe == 0 and ((step + 1) // spe) % every == 0
 
+    def doing(self, step: int) -> str:
+        """What rank 0 reports doing (the watchdog's lines) from the moment it starts the
+        evaluation after ``step``: in the training loop the other ranks wait for it, which is
+        expected, not a rank stuck; a background one may first wait for the one before."""
+        if self.cfg.eval_background:
+            return f"starting the evaluation after step {step}"
+        return f"evaluating after step {step} in the training loop (--no-eval-background), which the others wait for"
+
     def model(self) -> nn.Module:
         """The model an evaluation is loaded into, free to change (the previous evaluation has
         finished): a serving-only rank's own model, which never trains; on a training rank a copy

@@ -447,6 +447,21 @@ def test_a_slow_rank_is_named_and_the_job_goes_on(topology, worker, rank):
     assert re.search(rf"busy meanwhile: rank {rank} \([^)]+\), last reported 'step 3: loading the batch", said[0]), said
 
 
+def test_rank_0_evaluating_in_the_training_loop_is_named_as_such():
+    """Colocated, rank 0 evaluates (--no-eval-background) for 9 s while rank 1 waits for its
+    replies (--timeout 5): the watchdog's one line says rank 0 is evaluating, which the others
+    wait for by design, not the step it last trained; the job goes on to its end."""
+    proc = run_script("fault.py", "slow_eval", "colocated", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("[psgrad watchdog]")]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert re.search(
+        r"busy meanwhile: rank 0 \([^)]+\), last reported 'evaluating after step 2 in the training loop "
+        r"\(--no-eval-background\), which the others wait for",
+        said[0],
+    ), said
+
+
 COLOCATED = {  # name: codec, and the options of both runs
     "none": ("none", []),
     "qsgd-topk-down": ("qsgd:levels=8", ["down_codec=topk:ratio=0.5"]),

@@ -235,9 +235,11 @@ class PeerRole(Role):
             total = self.world.allreduce_sum(flat.double().numpy())
             load_buffers_vector(self.model, torch.from_numpy(total).float() / self.size)
         if self.rank == 0:
+            before, self.doing = self.doing, self.ctx.evaluations.doing(step)
             model = self.ctx.evaluations.model()
             model.load_state_dict(self.model.state_dict())
             self.ctx.evaluations.start(model, step, time.perf_counter() - start)
+            self.doing = before  # started (in the background) or done (in the loop)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}

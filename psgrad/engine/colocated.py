@@ -71,10 +71,12 @@ class ColocatedRole(Role):
                 self.server.send_values(step)
                 return
             buffers = self.server.wait_for_evaluation(step, Patience())
+            before, self.worker.doing = self.worker.doing, self.ctx.evaluations.doing(step)
             model = self.ctx.evaluations.model()
             self.server.load_model(model, step)
         load_buffers_vector(model, buffers)
         self.ctx.evaluations.start(model, step, time.perf_counter() - start)
+        self.worker.doing = before  # started (in the background) or done (in the loop)
 
     def finish(self) -> list[dict]:
         self.worker.stop()

@@ -201,6 +201,7 @@ class GossipRole(Role):
         start = time.perf_counter()
         _, mean = self._averaged()
         if self.rank == 0:
+            before, self.doing = self.doing, self.ctx.evaluations.doing(step)
             model = self.ctx.evaluations.model()
             model.load_state_dict(self.model.state_dict())
             targets = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
@@ -208,6 +209,7 @@ class GossipRole(Role):
                 for t, part in zip(targets, flat_parts(mean, targets), strict=True):
                     t.copy_(part)
             self.ctx.evaluations.start(model, step, time.perf_counter() - start)
+            self.doing = before  # started (in the background) or done (in the loop)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params_by_name.items()}

@@ -41,7 +41,7 @@ class ServerRole(Role):
             return
         start = time.perf_counter()
         buffers = self.server.wait_for_evaluation(step)
-        self.server.doing = f"evaluating after step {step}"
+        self.server.doing = self.ctx.evaluations.doing(step)
         model = self.ctx.evaluations.model()
         self.server.load_model(model, step)  # its own layers and the other servers' for this step
         load_buffers_vector(model, buffers)
