@@ -15,6 +15,8 @@ def _default(param: click.Parameter) -> str:
         default = False if getattr(param, "is_flag", False) else None
     if isinstance(param, click.Argument) or default is None or default == "":
         return ""
+    if isinstance(default, (tuple, list)):  # an option given more than once: its values, not a tuple's repr
+        default = ", ".join(map(str, default))
     return str(default).replace("|", "\\|")
 
 

@@ -41,6 +41,9 @@ def test_cli_reference_is_current():
     from psgrad.clidoc import markdown
 
     assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: python -m psgrad.clidoc > docs/cli.md"
+    # an option given more than once shows its default values, not a Python tuple ("('none',)")
+    defaults = [row.split(" | ")[1] for row in markdown().splitlines() if row.startswith("| `-")]
+    assert defaults and not [d for d in defaults if d.startswith(("(", "["))], defaults
 
 
 def test_every_codec_has_a_budget_line():
