@@ -61,10 +61,9 @@ def refuse_unused(
         raise click.UsageError("--batch-size is for timing --model's step here: it means nothing beside --step-ms")
     if "servers" not in given:
         return
-    # None for DDP's topologies, which have no server ranks either
-    ignoring = {name: TOPOLOGIES.get(name) for name in topologies}
-    if all(psgrads is None or "servers" in psgrads.ignores for psgrads in ignoring.values()):
-        name, psgrads = next(iter(ignoring.items()))
+    planned = {name: TOPOLOGIES.get(name) for name in topologies}  # None: DDP's, without server ranks too
+    if all(psgrads is None or "servers" in psgrads.ignores for psgrads in planned.values()):
+        name, psgrads = next(iter(planned.items()))
         raise click.UsageError(
             psgrads.ignores["servers"] if psgrads else f"--servers means nothing to --topology {name}"
         )
