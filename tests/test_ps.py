@@ -448,7 +448,7 @@ def test_a_slow_rank_is_named_and_the_job_goes_on(topology, worker, rank):
 
 
 def test_rank_0_evaluating_in_the_training_loop_is_named_as_such():
-    """Colocated, rank 0 evaluates (--no-eval-background) for 9 s while rank 1 waits for its
+    """Colocated, rank 0 evaluates (--no-eval-background) for 9 s while ranks 1 and 2 wait for its
     replies (--timeout 5): the watchdog's one line says rank 0 is evaluating, which the others
     wait for by design, not the step it last trained; the job goes on to its end."""
     proc = run_script("fault.py", "slow_eval", "colocated", timeout=120)
