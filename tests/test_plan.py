@@ -1,6 +1,7 @@
 """The cost model (psgrad/plan.py) and ``psgrad plan``: its bytes against what psgrad sends, the
 formulas of each topology, local steps, and the command's table and errors."""
 
+import itertools
 import math
 import re
 
@@ -226,7 +227,7 @@ def test_several_codecs_and_topologies_compare_in_one_table_each_row_its_own_pla
     header, table = done.output.split("plan  workers")[0], done.output.split("\n\n")[0].splitlines()
     assert "  A: none up, none down, colocated" in header and "  B: powersgd:rank=2 up, none down, colocated" in header
     assert "  C: none up, none down, ddp\n" in header
-    assert "  not planned: ddp with powersgd:rank=2: --topology ddp all-reduces the dense gradient" in header
+    assert "  not planned: powersgd:rank=2 up, none down, ddp: --topology ddp all-reduces the dense gradient" in header
     rows = [line.split() for line in table if re.match(r" +[A-C] ", line)]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (label, workers, link) for workers in "28" for link in ("1", "10") for label in "ABC"
@@ -254,11 +255,47 @@ def test_a_comparison_says_why_each_combination_that_cannot_run_is_not_planned()
     one_runs = CliRunner().invoke(main, [*PLAN, "--topology", "ddp", "--topology", "colocated", "--codec", "sign"])
     assert one_runs.exit_code == 0, one_runs.output
     assert one_runs.output.startswith("0.2 M parameters, sign up, none down, colocated, compute 50.0 ms a step")
-    assert "\n  not planned: ddp with sign: --topology ddp all-reduces the dense gradient" in one_runs.output
+    assert "\n  not planned: sign up, none down, ddp: --topology ddp all-reduces the dense gradient" in one_runs.output
     done = CliRunner().invoke(main, [*PLAN, "--topology", "ddp", "--codec", "sign", "--codec", "qsgd"])
     assert done.exit_code == 2, done.output
     assert "no combination can run:" in done.output
-    assert "ddp with sign: --topology ddp all-reduces" in done.output and "ddp with qsgd:" in done.output
+    assert (
+        "sign up, none down, ddp: --topology ddp all-reduces" in done.output
+        and "qsgd up, none down, ddp:" in done.output
+    )
+
+
+def test_down_link_codecs_compare_too():
+    """Every codec with every down-link codec: PowerSGD and sign up, each with a dense and a
+    QSGD-16 down-link, each row that pair's plan alone."""
+    args = [
+        "--codec",
+        "powersgd:rank=8",
+        "--codec",
+        "sign:bucket=32",
+        "--down-codec",
+        "none",
+        "--down-codec",
+        "qsgd:levels=16",
+    ]
+    done = CliRunner().invoke(main, [*PLAN, *args])
+    assert done.exit_code == 0, done.output
+    header = done.output.split("plan  workers")[0]
+    planned = re.findall(r"  ([A-Z]): (\S+) up, (\S+) down, colocated", header)
+    assert planned == [
+        (label, codec, down)
+        for label, (codec, down) in zip(
+            "ABCD", itertools.product(("powersgd:rank=8", "sign:bucket=32"), ("none", "qsgd:levels=16")), strict=True
+        )
+    ], header
+    for label, codec, down in planned:
+        alone = CliRunner().invoke(main, [*PLAN, "--codec", codec, "--down-codec", down])
+        assert alone.exit_code == 0, alone.output
+        own = [line.split() for line in alone.output.split("\n\n")[0].splitlines()[2:]]
+        rows = [
+            line.split()[1:] for line in done.output.split("\n\n")[0].splitlines() if line.startswith(f"   {label} ")
+        ]
+        assert rows == own
 
 
 def test_servers_are_refused_only_when_no_compared_topology_has_ranks_that_only_serve():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -86,7 +87,14 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     show_default=True,
     help="The up-link codec spec (psgrad codecs --list); give it again to compare codecs in one table.",
 )
-@click.option("--down-codec", default="none", show_default=True, help="The down-link codec spec (none: dense values).")
+@click.option(
+    "--down-codec",
+    "down_codecs",
+    multiple=True,
+    default=("none",),
+    show_default=True,
+    help="The down-link codec spec (none: dense values); give it again to compare, as --codec.",
+)
 @click.option(
     "--topology",
     "topologies",
@@ -184,7 +192,7 @@ def plan(
     matrices: str | None,
     vector_params: int,
     codecs: tuple[str, ...],
-    down_codec: str,
+    down_codecs: tuple[str, ...],
     topologies: tuple[str, ...],
     workers: tuple[int, ...],
     servers: int,
@@ -207,47 +215,52 @@ def plan(
     from ..plan import Scenario
 
     exchange = {"overlap_exchange": overlap_exchange, "overlap_steps": overlap_steps, "fragments": fragments}
-    check_options(codecs=(*codecs, down_codec), local_steps=local_steps, step_ms=step_ms, matrices=matrices, **exchange)
+    check_options(
+        codecs=(*codecs, *down_codecs), local_steps=local_steps, step_ms=step_ms, matrices=matrices, **exchange
+    )
     refuse_unused(model=model, depth=depth, matrices=matrices, step_ms=step_ms, topologies=topologies)
-    runnable, refused = _combinations(topologies=topologies, codecs=codecs, down_codec=down_codec,
+    runnable, refused = _combinations(topologies=topologies, codecs=codecs, down_codecs=down_codecs,
                                       local_steps=local_steps, **exchange)  # fmt: skip
     shapes, step_ms = _shapes_and_step(
         model=model, depth=depth, widen_factor=widen_factor, classes=classes, matrices=matrices,
         vector_params=vector_params, step_ms=step_ms, batch_size=batch_size,
     )  # fmt: skip
     given = Scenario(
-        shapes=shapes, down_codec=down_codec, servers=servers, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
+        shapes=shapes, servers=servers, rtt_s=rtt_ms / 1e3, compute_s=step_ms / 1e3,
         local_steps=local_steps, code_gbps=code_gbps, fan_in_efficiency=fan_in_efficiency,
         layer_overhead_s=None if layer_overhead_ms is None else layer_overhead_ms / 1e3, **exchange,
     )  # fmt: skip
-    plans = [dataclasses.replace(given, topology=topology, codec=codec) for topology, codec in runnable]
+    plans = [
+        dataclasses.replace(given, topology=topology, codec=codec, down_codec=down)
+        for topology, codec, down in runnable
+    ]
     labels = [_label(i) for i in range(len(plans))] if len(plans) > 1 else [""]
     _say_what_is_planned(plans=plans, labels=labels, refused=refused)
     _say_table(plans=plans, labels=labels, workers=workers, bandwidth=bandwidth)
     click.echo()  # what the speeds are worth: the accuracy psgrad measured (docs/benchmarks.md)
     for label, planned in zip(labels, plans, strict=True):
-        lines = _accuracy(topology=planned.topology, codec=planned.codec, down_codec=down_codec,
+        lines = _accuracy(topology=planned.topology, codec=planned.codec, down_codec=planned.down_codec,
                           local_steps=local_steps, **exchange)  # fmt: skip
         for i, line in enumerate(lines):
             click.echo(f"{label}: {line}" if label and not i else f"{'   ' if label else ''}{line}")
 
 
 def _combinations(
-    *, topologies: tuple[str, ...], codecs: tuple[str, ...], down_codec: str, local_steps: int, **exchange
-) -> tuple[list[tuple[str, str]], list[str]]:
-    """Every topology with every codec, each once, in the order given: those a run could start
-    with, and a reason for each that it could not. One combination that cannot run is a usage
-    error, as is a comparison of which none can."""
+    *, topologies: tuple[str, ...], codecs: tuple[str, ...], down_codecs: tuple[str, ...], local_steps: int, **exchange
+) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """Every topology with every codec and down-link codec, each once, in the order given: those
+    a run could start with, and a reason for each that it could not. One combination that cannot
+    run is a usage error, as is a comparison of which none can."""
     from .planrules import why_refused
 
     runnable, refused = [], []
-    combinations = [(topology, codec) for topology in dict.fromkeys(topologies) for codec in dict.fromkeys(codecs)]
-    for topology, codec in combinations:
-        why = why_refused(topology=topology, codec=codec, down_codec=down_codec, local_steps=local_steps, **exchange)
+    combinations = list(itertools.product(*map(dict.fromkeys, (topologies, codecs, down_codecs))))
+    for topology, codec, down in combinations:
+        why = why_refused(topology=topology, codec=codec, down_codec=down, local_steps=local_steps, **exchange)
         if why is None:
-            runnable.append((topology, codec))
+            runnable.append((topology, codec, down))
         else:
-            refused.append(why if len(combinations) == 1 else f"{topology} with {codec}: {why}")
+            refused.append(why if len(combinations) == 1 else f"{codec} up, {down} down, {topology}: {why}")
     if not runnable:
         raise click.UsageError(
             refused[0] if len(refused) == 1 else "no combination can run:\n  " + "\n  ".join(refused)
