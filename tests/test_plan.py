@@ -408,3 +408,9 @@ def test_the_examples_in_docs_print_what_the_docs_show():
         printed = iter(done.output.splitlines())
         for line in shown.splitlines():
             assert line in printed, f"{command}: {line!r} is not printed (in that order):\n{done.output}"
+
+
+def test_compared_combinations_are_labelled_past_z():
+    from psgrad.cli.planning import _label
+
+    assert [_label(i) for i in (0, 25, 26, 27, 51, 52, 701, 702)] == ["A", "Z", "AA", "AB", "AZ", "BA", "ZZ", "AAA"]
