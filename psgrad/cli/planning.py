@@ -103,7 +103,7 @@ def _matrix_shapes(matrices: str, vectors: int) -> list[tuple[int, ...]]:
     default=("colocated",),
     show_default=True,
     help="psgrad's topologies, torch DDP's ring all-reduce, or DDP with its PowerSGD hook (--codec powersgd:rank=R); "
-    "give it again to compare: every topology with every --codec that can run on it.",
+    "give it again to compare: every topology with every --codec and --down-codec that can run on it.",
 )
 @click.option(
     "--workers", default="2", show_default=True, callback=_numbers(int, "worker counts"), help="Workers, e.g. 2,4,8."
