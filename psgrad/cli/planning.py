@@ -10,7 +10,7 @@ import click
 
 from ..choices import MODEL_NAMES
 from .group import main
-from .planrules import check_options, refuse_unused
+from .planrules import DDP_CODEC, check_options, refuse_unused, run_settings, why_refused
 
 if TYPE_CHECKING:  # the model loads torch: not for --help
     from ..plan import Scenario
@@ -251,8 +251,6 @@ def _combinations(
     """Every topology with every codec and down-link codec, each once, in the order given: those
     a run could start with, and a reason for each that it could not. One combination that cannot
     run is a usage error, as is a comparison of which none can."""
-    from .planrules import why_refused
-
     runnable, refused = [], []
     combinations = list(itertools.product(*map(dict.fromkeys, (topologies, codecs, down_codecs))))
     for topology, codec, down in combinations:
@@ -340,7 +338,6 @@ def _accuracy(*, topology: str, **settings) -> list[str]:
     (at rank 2, the one rank measured both ways, the two matched)."""
     from ..accuracy import accuracy_lines
     from ..config import RunConfig
-    from .planrules import DDP_CODEC, run_settings
 
     ddp = topology in DDP_CODEC
     lines = accuracy_lines(RunConfig(**run_settings(topology="colocated" if ddp else topology, **settings)))
