@@ -103,3 +103,37 @@ def test_asked_outside_a_job_it_says_what_it_needs():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "psgrad.should_stop() needs psgrad.init(...) first (your own loop), or torch.distributed" in proc.stderr
+
+
+def test_a_rank_that_never_asks_is_named_instead_of_hanging(tmp_path):
+    """``if rank == 0 and psgrad.should_stop()``: rank 0 waits for rank 1's votes, which never
+    come. It names rank 1 within seconds, and the job ends, where it waited for the process
+    group's timeout (30 min)."""
+    proc = run_bounded(_torchrun(str(tmp_path), "rank0_asks", "1000"), timeout=90)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert (
+        "psgrad.should_stop() was called on rank 0, not on rank 1, which would never vote on a stop: "
+        "call it after each optimizer step on every rank" in proc.stderr
+    ), proc.stderr[-3000:]
+
+
+def test_store_votes_read_every_ranks_vote_name_the_missing_and_keep_few_keys():
+    """Two ranks' channels on one store: a vote read holds both ranks' values in rank order; a
+    vote rank 1 never wrote names rank 1 once the patience is over; each rank keeps the keys of
+    its last few votes only, so a long run does not fill the store."""
+    import torch.distributed as dist
+
+    from psgrad.ddpstop import _KEPT, StoreVotes
+
+    store = dist.HashStore()
+    ranks = [StoreVotes(store, rank=rank, size=2, patience=lambda: 0.2) for rank in (0, 1)]
+    for vote in range(3 * _KEPT):
+        reads = [channel.iallgather_sizes(10 * vote + rank) for rank, channel in enumerate(ranks)]
+        for handle, out in reads:
+            handle.wait()
+            assert out.tolist() == [10 * vote, 10 * vote + 1]
+    kept = [vote for vote in range(3 * _KEPT) if store.check([f"psgrad/stop/{vote}/0"])]
+    assert kept == list(range(2 * _KEPT, 3 * _KEPT))
+    handle, _ = ranks[0].iallgather_sizes(7)
+    with pytest.raises(RuntimeError, match=r"called on rank 0, not on rank 1, which would never vote"):
+        handle.wait()

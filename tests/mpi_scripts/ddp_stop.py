@@ -6,7 +6,9 @@ Mode ``stop`` trains until ``psgrad.should_stop()`` says to stop (after a SIGTER
 saying on stderr, with its pid, when it has taken steps; each rank then saves its model, optimizer,
 hook state and step in OUT/ckpt-<rank>.pt and returns. Mode ``resume`` loads that checkpoint and
 trains on to step END; mode ``straight`` trains steps 0..END-1 without a stop. Both save each
-rank's model in OUT/<mode>-<rank>.pt, and the two must be equal bit for bit.
+rank's model in OUT/<mode>-<rank>.pt, and the two must be equal bit for bit. Mode ``rank0_asks``
+trains steps 0..END-1 and asks ``psgrad.should_stop()`` on rank 0 alone, as a script that keeps
+its checkpoint code under ``if rank == 0`` would.
 """
 
 import os
@@ -54,6 +56,8 @@ def main() -> None:
         opt.step()
         if step == 3:
             os.write(2, f"rank {rank} pid {os.getpid()} trains\n".encode())  # one write: the ranks share the file
+        if mode == "rank0_asks" and rank == 0 and psgrad.should_stop():
+            break
         if mode == "stop" and psgrad.should_stop():
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "hook": hook.state_dict()}
             torch.save({**state, "step": step}, saved)
