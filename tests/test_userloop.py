@@ -263,6 +263,33 @@ def test_an_error_a_library_reports_from_its_own_thread_does_not_end_the_job(mon
     assert aborted == ["ValueError: the script's"]
 
 
+def test_a_library_threads_report_is_printed_whole_or_left_out_once_the_rank_stops(monkeypatch):
+    """A DataLoader worker's resource sharer reports the rank's connection closed when a stop
+    reaches the job, a moment before the worker's own SIGTERM ends it; printed line by line, the
+    process's end left a bare "Traceback" line beside the ranks' one line each. The report now
+    waits that moment, is left out if the rank is stopping by then, and otherwise goes out in
+    one write."""
+    import threading
+    import types
+
+    from psgrad.userloop.stopping import report_from_thread
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", types.SimpleNamespace(write=writes.append, flush=lambda: None))
+    try:
+        raise ConnectionResetError("reset by peer")
+    except ConnectionResetError:
+        error = sys.exc_info()
+    report_from_thread(sys.__excepthook__, error, stops=None)
+    assert len(writes) == 1 and writes[0].startswith("Traceback (most recent call last):\n"), writes
+    assert writes[0].endswith("ConnectionResetError: reset by peer\n"), writes
+    writes.clear()
+    stops = types.SimpleNamespace(stopping=False)
+    threading.Timer(0.1, lambda: setattr(stops, "stopping", True)).start()  # the rank's signal, handled
+    report_from_thread(sys.__excepthook__, error, stops=stops)
+    assert writes == []
+
+
 def test_a_stop_in_your_code_is_said_to_be_in_your_loop():
     """A signal handler's frames end every stop's traceback, wherever the main thread was: a
     Ctrl-C during your ``time.sleep`` was said to be "in psgrad's hooks" (the handler that notes

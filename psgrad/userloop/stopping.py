@@ -15,7 +15,8 @@ on to every other rank, and the job ends once every rank has run its ``finally``
    in its ``finally`` blocks, or one whose own handler kept it going), or at a second Ctrl-C; the
    rank then aborts the job. Before, a rank with nothing to do on its way (a serving rank) aborted
    the job at once, and cut the others' ``finally`` blocks short: a worker's checkpoint save.
-A rank that stops no longer hears of DataLoader workers killed by the same signal.
+A rank that stops no longer hears of DataLoader workers killed by the same signal, and a library
+thread's error report (``report_from_thread``) waits a moment and is left out once it stops.
 5. A saved stop (``psgrad.should_stop``, userloop/savedstop.py) changes 3 for SIGTERM: a worker
    that asks (``absorb``) takes its first SIGTERM itself, and tells the serving-only ranks
    (``ARMED``); such a serving rank notes its own first SIGTERM, tells the workers that asked
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import sysconfig
 import threading
 import time
@@ -52,6 +54,8 @@ NOTED = 2 << 8
 ASKED = 3 << 8
 """A worker's notice to the other workers: it asked too (module docstring, 5)."""
 _SIGNAL = 0xFF
+THREAD_REPORT_SECONDS = 0.5
+"""How long a library thread's error report waits before it is printed (``report_from_thread``)."""
 
 
 class StopTogether:
@@ -185,6 +189,23 @@ def _stop_hearing_loader_workers() -> None:
 
 def _ignore(signum: int, frame) -> None:
     pass
+
+
+def report_from_thread(previous: Callable, error: tuple, *, stops: StopTogether | None) -> None:
+    """A library's thread reporting its own error through ``sys.excepthook`` (multiprocessing's
+    resource sharer does): not the script's end, so printed as Python prints it (``previous``),
+    unless this rank is stopping by then. A stop that reaches the whole job closes the rank's
+    connections to its DataLoader workers' sharers, which report it a moment before the workers'
+    own SIGTERM ends them: the report waits that moment. Python's own printing goes out in one
+    write: line by line, a process ended in the middle left a bare "Traceback" line behind."""
+    time.sleep(THREAD_REPORT_SECONDS)
+    if stops is not None and stops.stopping:
+        return
+    if previous is not sys.__excepthook__:
+        previous(*error)
+        return
+    sys.stderr.write("".join(traceback.format_exception(*error)))
+    sys.stderr.flush()
 
 
 def where_it_stopped(trace) -> tuple[str, bool]:

@@ -55,7 +55,7 @@ from ..runtime.watchdog import Report, Watchdog
 from ..settings import settings_of
 from ..startup import prepare
 from .local import coded_change_note
-from .stopping import StopTogether, where_it_stopped
+from .stopping import StopTogether, report_from_thread, where_it_stopped
 
 ABORT_GRACE_SECONDS = 0.5
 """How long a failing rank waits between printing its error and aborting the job."""
@@ -207,10 +207,8 @@ def _end_job_on_error(previous):
 
     def hook(kind, value, trace) -> None:
         if threading.current_thread() is not threading.main_thread():
-            # a library's thread reporting its own error (multiprocessing's resource sharer does):
-            # not the script's end; while a rank stops, the news of DataLoader workers killed too
-            if not (_WORLD is not None and _WORLD.stops is not None and _WORLD.stops.stopping):
-                previous(kind, value, trace)
+            # a library's thread reporting its own error (multiprocessing's resource sharer does)
+            report_from_thread(previous, (kind, value, trace), stops=_WORLD and _WORLD.stops)
             return
         if isinstance(value, KeyboardInterrupt):
             reason, status = stop_reason(value)
