@@ -266,7 +266,7 @@ def test_an_error_a_library_reports_from_its_own_thread_does_not_end_the_job(mon
 def test_a_library_threads_report_is_printed_whole_or_left_out_once_the_rank_stops(monkeypatch):
     """A DataLoader worker's resource sharer reports the rank's connection closed when a stop
     reaches the job, a moment before the worker's own SIGTERM ends it; printed line by line, the
-    process's end left a bare "Traceback" line beside the ranks' one line each. The report now
+    process's end left a bare "Traceback" line beside the ranks' one line each. The report
     waits that moment, is left out if the rank is stopping by then, and otherwise goes out in
     one write."""
     import threading
