@@ -20,7 +20,10 @@ the script ends.
 
 from __future__ import annotations
 
+import atexit
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,6 +38,9 @@ VOTE_PATIENCE = 5.0
 """Seconds a rank waits for a vote every calling rank wrote two steps ago (module docstring, 2),
 beyond two of the slowest steps it has timed, before it names the ranks whose votes are missing."""
 
+CLOSE_SECONDS = 5.0
+"""How long the process's end waits for the helper thread's store call in flight (``StoreVotes.close``)."""
+
 _KEPT = 4 * MIN_LAG
 """Votes a rank keeps its key of: a rank is at most a call ahead of another, which reads a vote
 ``MIN_LAG`` calls after it was written; older keys are deleted."""
@@ -42,42 +48,72 @@ _KEPT = 4 * MIN_LAG
 
 class StoreVotes:
     """The channel StopVotes votes on: vote ``n`` of rank ``r`` is the store's key
-    ``psgrad/stop/<n>/<r>`` (module docstring, 2). ``patience()`` gives the seconds to wait for
-    a vote's last key."""
+    ``psgrad/stop/<n>/<r>`` (module docstring, 2). A helper thread writes each vote and reads it
+    back, so that the training waits on no round trip to the store's host (one a vote, each a
+    link's latency away); ``patience()`` gives the seconds a reading waits for it."""
 
     def __init__(self, store: dist.Store, *, rank: int, size: int, patience: Callable[[], float]) -> None:
         self.store, self.rank, self.size, self.patience = store, rank, size, patience
-        self.written = 0
+        self.written, self.closing = 0, False
+        self.queue: queue.SimpleQueue[_VoteRead | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._exchange, name="psgrad-stop-votes", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
 
     def iallgather_sizes(self, value: int) -> tuple[_VoteRead, np.ndarray]:
-        vote, self.written = self.written, self.written + 1
-        self.store.set(_key(vote, self.rank), str(value))
-        if vote >= _KEPT:
-            self.store.delete_key(_key(vote - _KEPT, self.rank))
-        out = np.zeros(self.size, dtype=np.int64)
-        return _VoteRead(self, vote=vote, out=out), out
+        read = _VoteRead(self, vote=self.written, value=value)
+        self.written += 1
+        self.queue.put(read)
+        return read, read.out
+
+    def _exchange(self) -> None:
+        """The helper thread: each vote in turn, written, this rank's oldest kept key deleted, and
+        read once every rank's key is there. It polls: a store's blocking get would hold the
+        store's client, which naming the missing ranks needs (``_VoteRead.wait``)."""
+        while (read := self.queue.get()) is not None:
+            try:
+                self.store.set(read.keys[self.rank], str(read.value))
+                if read.vote >= _KEPT:
+                    self.store.delete_key(_key(read.vote - _KEPT, self.rank))
+                backoff = Backoff(Patience(spins=0, max_sleep=0.05))
+                while not self.store.check(read.keys):
+                    if self.closing:
+                        return
+                    backoff.idle()
+                read.out[:] = [int(value) for value in self.store.multi_get(read.keys)]
+            except Exception as error:  # the store's host gone: the reading raises it
+                read.error = error
+            read.done.set()
+
+    def close(self) -> None:
+        """At exit: the helper thread ends between two store calls (a call in flight while
+        Python's end frees the store aborts the process)."""
+        self.closing = True
+        self.queue.put(None)
+        self.thread.join(timeout=CLOSE_SECONDS)
 
 
 class _VoteRead:
-    """One vote's reading (``StoreVotes``): ``wait`` fills its array, or names the ranks missing."""
+    """One vote (``StoreVotes``): ``wait`` returns once its array is filled, or names the ranks
+    whose keys are missing after the patience."""
 
-    def __init__(self, votes: StoreVotes, *, vote: int, out: np.ndarray) -> None:
-        self.votes, self.out = votes, out
+    def __init__(self, votes: StoreVotes, *, vote: int, value: int) -> None:
+        self.votes, self.vote, self.value = votes, vote, value
         self.keys = [_key(vote, rank) for rank in range(votes.size)]
+        self.out = np.zeros(votes.size, dtype=np.int64)
+        self.done, self.error = threading.Event(), None
 
     def wait(self) -> None:
-        store = self.votes.store
-        deadline = time.monotonic() + self.votes.patience()
-        backoff = Backoff(Patience(spins=0, max_sleep=0.05))
-        while not store.check(self.keys):
-            if time.monotonic() > deadline:
-                missing = [rank for rank, key in enumerate(self.keys) if not store.check([key])]
-                raise RuntimeError(
-                    f"psgrad.should_stop() was called on rank {self.votes.rank}, not on {named_ranks(missing)}, "
-                    "which would never vote on a stop: call it after each optimizer step on every rank"
-                )
-            backoff.idle()
-        self.out[:] = [int(value) for value in store.multi_get(self.keys)]
+        while not self.done.wait(self.votes.patience()):
+            missing = [rank for rank, key in enumerate(self.keys) if not self.votes.store.check([key])]
+            if not missing:  # every key came, a moment after the patience
+                continue
+            raise RuntimeError(
+                f"psgrad.should_stop() was called on rank {self.votes.rank}, not on {named_ranks(missing)}, "
+                "which would never vote on a stop: call it after each optimizer step on every rank"
+            )
+        if self.error is not None:
+            raise self.error
 
 
 def _key(vote: int, rank: int) -> str:

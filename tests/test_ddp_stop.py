@@ -137,3 +137,33 @@ def test_store_votes_read_every_ranks_vote_name_the_missing_and_keep_few_keys():
     handle, _ = ranks[0].iallgather_sizes(7)
     with pytest.raises(RuntimeError, match=r"called on rank 0, not on rank 1, which would never vote"):
         handle.wait()
+    late, out = ranks[1].iallgather_sizes(8)  # rank 0's helper thread stops polling for it
+    late.wait()
+    assert out.tolist() == [7, 8]
+
+
+def test_store_votes_leave_the_store_to_a_helper_thread():
+    """A vote's round trips to the store's host (a link's latency each, on the host of rank 0)
+    are the helper thread's: the training thread only hands the vote over and takes the result."""
+    import threading
+
+    import torch.distributed as dist
+
+    from psgrad.ddpstop import StoreVotes
+
+    class Recording:
+        def __init__(self) -> None:
+            self.inner, self.threads = dist.HashStore(), set()
+
+        def __getattr__(self, name: str):
+            self.threads.add(threading.current_thread().name)
+            return getattr(self.inner, name)
+
+    store = Recording()
+    ranks = [StoreVotes(store, rank=rank, size=2, patience=lambda: 5.0) for rank in (0, 1)]
+    for vote in range(5):
+        reads = [channel.iallgather_sizes(vote) for channel in ranks]
+        for handle, out in reads:
+            handle.wait()
+            assert out.tolist() == [vote, vote]
+    assert store.threads == {"psgrad-stop-votes"}
