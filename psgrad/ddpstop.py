@@ -7,13 +7,13 @@ the script ends.
    on the one a scheduler sent it), or no step agreed within ``PATIENCE`` seconds, runs the handler
    there was before: by default the process ends by the signal, as without saved stops.
 2. Every call takes part in the ranks' votes (stopsaving.StopVotes): the signal this rank noted,
-   written about every ``VOTE_SECONDS`` as a key of the store torch.distributed rendezvoused on,
-   and read ``MIN_LAG`` calls later. By then every rank that calls has written it: a collective
-   of the training (DDP's all-reduce) lies between two calls, and each rank made its call before
-   its part of it. The store, not a collective, so that a rank that never calls is named:
-   a vote still missing after ``VOTE_PATIENCE`` seconds plus two of the slowest steps names the
-   ranks it lacks, in an error that ends the job. On a process group an all-gather would have
-   waited on that rank until the group's timeout (30 min by default).
+   about every ``VOTE_SECONDS``, as a key of the store torch.distributed rendezvoused on, written
+   and read by a helper thread (the training waits on no round trip to the store's host), and
+   taken ``MIN_LAG`` calls later. By then every rank that calls has handed over its vote: a
+   collective of the training (DDP's all-reduce) lies between two calls. The store, not a
+   collective, so that a rank that never calls is named: a vote still missing ``VOTE_PATIENCE``
+   seconds plus two of the slowest steps later names the ranks it lacks, in an error that ends
+   the job, where an all-gather would wait on them until the group's timeout (30 min by default).
 3. A vote with a signal in it is the agreed stop: after that step ``should_stop()`` is True on
    every rank, and each says so once.
 """
