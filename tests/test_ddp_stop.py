@@ -107,7 +107,7 @@ def test_asked_outside_a_job_it_says_what_it_needs():
 
 def test_a_rank_that_never_asks_is_named_instead_of_hanging(tmp_path):
     """``if rank == 0 and psgrad.should_stop()``: rank 0 waits for rank 1's votes, which never
-    come. It names rank 1 within seconds, and the job ends, where it waited for the process
+    come. It names rank 1 within seconds, and the job ends, instead of waiting for the process
     group's timeout (30 min)."""
     proc = run_bounded(_torchrun(str(tmp_path), "rank0_asks", "1000"), timeout=90)
     assert proc.returncode != 0, proc.stderr[-3000:]
