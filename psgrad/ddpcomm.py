@@ -4,7 +4,13 @@
     ddp.register_comm_hook(ddp, psgrad.ddp_hook("qsgd:levels=16", feedback="ef"))
 
 DDP calls the hook with each bucket of gradients once backward has filled it, and takes what the
-hook returns as the bucket's average over the ranks. Per bucket, on every rank:
+hook returns as the bucket's average over the ranks. The hook hands the bucket to its thread
+(``InOrder``) and returns a future at once, so backward goes on while the bucket is exchanged, as
+with DDP's own all-reduce. The thread exchanges the buckets one at a time, in the order DDP handed
+them over (the same on every rank), over a gloo group of its own: its collectives can then never
+pair up with DDP's, or the script's, in another order on another rank. Per bucket, on every rank:
+0. One small all-reduce tells every rank whose bucket holds NaN or Inf: then every rank raises
+   (from backward), or, with ``on_nonfinite="skip"``, returns the bucket as NaN for GradScaler.
 1. Each parameter's gradient is coded as a ``psgrad train`` worker codes it: feedback, then the
    codec, with the same seeds (run seed, step, layer index, this rank's stream). A 1-D parameter
    goes exact, as in ``psgrad train`` (``bucket_vectors``).
@@ -18,14 +24,12 @@ hook returns as the bucket's average over the ranks. Per bucket, on every rank:
 4. The sums, times 1 / world size, are written over the bucket, which the returned future holds.
 The step count goes up after DDP's last bucket of a backward pass. ``state_dict`` carries it and
 the feedback memories, so a checkpoint resumes compression exactly.
-
-The hook runs its collectives while DDP waits for it: a bucket's exchange does not overlap the
-rest of backward, as DDP's own all-reduce does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +46,7 @@ from .comm.protocol import Layer, NonFiniteError, encode_gradient, plan_layers, 
 from .config import RunConfig
 from .config.refusals import your_loop_config
 from .feedback import feedback_for
+from .inorder import InOrder
 from .metrics import say
 
 SETTINGS = ("seed", "bucket_vectors", "on_nonfinite", "dgc_momentum", "nesterov", "dgc_clip_norm", "dgc_warmup_epochs")
@@ -78,6 +83,9 @@ class DDPHook:
         self.feedback = feedback_for(cfg)
         self.step = 0
         self.layers: dict[int, Layer] | None = None  # id(parameter) -> its layer, from the first call
+        self.world = self.rank = 0  # this rank among DDP's, from the first call
+        self.exchange_group: Any = None  # the hook thread's own process group, from the first call
+        self.exchanges = InOrder(name="psgrad-ddp-exchange")
         self.__name__ = self.__qualname__ = "psgrad_ddp_hook"  # DDP logs a hook by its name
 
     # ------------------------------------------------------------------ checkpoints
@@ -100,43 +108,47 @@ class DDPHook:
     # ------------------------------------------------------------------ the hook
     # no annotations: DDP checks them, and this module's are strings (from __future__)
     def __call__(self, state, bucket):
-        """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future."""
+        """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future that
+        the hook's thread completes while DDP goes on with backward."""
         if self.layers is None:
             self.layers = self._plan(self._named_model(state))
-            # the first call: where the hook first knows its rank
-            if dist.get_rank(self.group) == 0 and (note := accuracy_note(self.cfg, dense="DDP without the hook")):
+            # the first call: where the hook first knows its rank, and where every rank calls it
+            self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            self.exchange_group = exchange_group(self.group)
+            if self.rank == 0 and (note := accuracy_note(self.cfg, dense="DDP without the hook")):
                 say(f"[psgrad] {note}")
-        buffer, params = bucket.buffer(), bucket.parameters()
-        layers = self._layers_of(params)
-        parts = buffer.split([p.numel() for p in params])
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        step = self.step  # the steps done before this one, as a psgrad train worker numbers them
+        buffer, layers = bucket.buffer(), self._layers_of(bucket.parameters())
+        step, index = self.step, bucket.index()  # the steps done before this one, as a worker numbers them
+        if bucket.is_last():
+            self.step = step + 1
+        return self.exchanges.submit(lambda: self._exchange(buffer, layers=layers, step=step, index=index))
+
+    @torch.no_grad()  # the thread's own grad mode is on; nothing here is for autograd
+    def _exchange(self, buffer: torch.Tensor, *, layers: list[Layer], step: int, index: int) -> torch.Tensor:
+        """Steps 1-4 of the module for one bucket, on the hook's thread: ``buffer`` averaged."""
+        parts = buffer.split([math.prod(layer.shape) for layer in layers])
+        world, rank = self.world, self.rank
         bad = self._nonfinite_ranks(parts, world=world, rank=rank)
         if bad and self.cfg.on_nonfinite == "abort":
             raise NonFiniteError(
                 f"step {step}: the gradient of rank {', '.join(map(str, bad))} holds NaN or Inf in DDP's bucket "
-                f"{bucket.index()} (lower the learning rate; under GradScaler, on_nonfinite='skip')"
+                f"{index} (lower the learning rate; under GradScaler, on_nonfinite='skip')"
             )
         if bad:
-            buffer.fill_(float("nan"))  # GradScaler sees it and skips the step; the memories stay
-        else:
-            msgs = [
-                encode_gradient(self.feedback, layer, part, step=step, sender=rank, stream=rank, run_seed=self.cfg.seed)
-                for layer, part in zip(layers, parts, strict=True)
-            ]
-            means = [torch.zeros(part.numel()) for part in parts]
-            summed = {i for i, msg in enumerate(msgs) if wire.codec_of(msg).sums_in_code_space}
-            gathered = [i for i in range(len(msgs)) if i not in summed]
-            self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means, world=world)
-            if gathered:
-                self._gather_and_decode(gathered, msgs=msgs, layers=layers, means=means, step=step, world=world)
-            for part, mean in zip(parts, means, strict=True):
-                part.copy_(mean)
-        if bucket.is_last():
-            self.step = step + 1
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+            return buffer.fill_(float("nan"))  # GradScaler sees it and skips the step; the memories stay
+        msgs = [
+            encode_gradient(self.feedback, layer, part, step=step, sender=rank, stream=rank, run_seed=self.cfg.seed)
+            for layer, part in zip(layers, parts, strict=True)
+        ]
+        means = [torch.zeros(part.numel()) for part in parts]
+        summed = {i for i, msg in enumerate(msgs) if wire.codec_of(msg).sums_in_code_space}
+        gathered = [i for i in range(len(msgs)) if i not in summed]
+        self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means, world=world)
+        if gathered:
+            self._gather_and_decode(gathered, msgs=msgs, layers=layers, means=means, step=step, world=world)
+        for part, mean in zip(parts, means, strict=True):
+            part.copy_(mean)
+        return buffer
 
     def _layers_of(self, params: list[torch.Tensor]) -> list[Layer]:
         assert self.layers is not None
@@ -172,7 +184,7 @@ class DDPHook:
         once, so all of them stop or skip together instead of some waiting for ever."""
         flags = torch.zeros(world)
         flags[rank] = float(not all(bool(torch.isfinite(p.sum())) for p in parts))
-        dist.all_reduce(flags, group=self.group)
+        dist.all_reduce(flags, group=self.exchange_group)
         return [r for r in range(world) if flags[r] > 0]
 
     # ------------------------------------------------------------------ sums in code space
@@ -201,7 +213,7 @@ class DDPHook:
         order = [(i, name) for i, msg in sorted(messages.items()) for name in sorted(msg.arrays)]
         arrays = [messages[i].arrays[name].float().reshape(-1) for i, name in order]
         flat = torch.cat(arrays) if arrays else torch.zeros(0)
-        dist.all_reduce(flat, group=self.group)
+        dist.all_reduce(flat, group=self.exchange_group)
         totals: dict[int, dict[str, torch.Tensor]] = {i: {} for i in messages}
         for (i, name), part in zip(order, flat.split([a.numel() for a in arrays]), strict=True):
             totals[i][name] = part.view(messages[i].arrays[name].shape)
@@ -219,7 +231,7 @@ class DDPHook:
         world: int,
     ) -> None:
         """Step 3 of the module."""
-        mine = dist.get_rank(self.group)
+        mine = self.rank
         blobs = self._all_gather_bytes(frame([wire.dumps(msgs[i]) for i in gathered]), world=world)
         for sender, blob in enumerate(blobs):
             pieces = unframe(blob, count=len(gathered))
@@ -241,13 +253,24 @@ class DDPHook:
     def _all_gather_bytes(self, blob: bytes, *, world: int) -> list[bytes]:
         size = torch.tensor([len(blob)], dtype=torch.int64)
         sizes = [torch.zeros_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size, group=self.group)
+        dist.all_gather(sizes, size, group=self.exchange_group)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        dist.all_gather(theirs, mine, group=self.group)
+        dist.all_gather(theirs, mine, group=self.exchange_group)
         return [t[: int(s)].numpy().tobytes() for t, s in zip(theirs, sizes, strict=True)]
+
+
+def exchange_group(group: Any) -> Any:
+    """A gloo group over DDP's ranks (same order) for the hook's thread alone. Its collectives then
+    cannot interleave with those of DDP or of the script on ``group``, which the main thread
+    issues: two threads' collectives on one group would pair up in another order on each rank."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return dist.new_group(backend="gloo")  # every rank calls the hook: each makes this group
+    ranks = dist.get_process_group_ranks(group)
+    # only DDP's ranks call the hook, so only they may take part in making the group
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, sort_ranks=False)
 
 
 def frame(pieces: list[bytes]) -> bytes:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from conftest import run_script
 import psgrad
 from psgrad.comm.wire import WireError
 from psgrad.ddpcomm import frame, unframe
+from psgrad.inorder import InOrder
 
 SCRIPT = Path(__file__).parent / "gloo_scripts" / "ddphook.py"
 WORLD = 2
@@ -82,9 +84,21 @@ def test_a_codec_that_trailed_dense_is_said_by_the_first_rank(tmp_path):
     assert not any("[psgrad] note" in result["log"] for result in _gloo(tmp_path / "none", "dense", "none"))
 
 
+@pytest.mark.parametrize("codec", ["none", "powersgd:rank=16,min_rate=0"])
+def test_the_exchange_overlaps_backward_and_keeps_the_buckets_in_order(tmp_path, codec):
+    """With one rank 1.5 s late into a backward, the other's hook hands DDP every bucket of that
+    step before a byte of it could be exchanged, and DDP waits for their futures: in several
+    buckets, the run still ends where DDP without a hook does (exactly: PowerSGD at full rank)."""
+    first, last = _gloo(tmp_path, "overlap", codec)
+    assert first["buckets"] >= 2 and first["pending"] == first["buckets"], first
+    assert first["plain"] < 1e-6 and last["plain"] < 1e-6, (first, last)
+
+
 def test_a_nonfinite_gradient_stops_every_rank(tmp_path):
+    """backward raises on every rank, and the error's first line names psgrad's error and the rank."""
     for result in _gloo(tmp_path, "nonfinite", "sign:bucket=32", "ef"):
-        assert "the gradient of rank 1 holds NaN or Inf" in result["raised"], result
+        first_line = result["raised"].splitlines()[0] if result["raised"] else ""
+        assert "NonFiniteError: step 3: the gradient of rank 1 holds NaN or Inf" in first_line, result
 
 
 @pytest.mark.parametrize(
@@ -141,3 +155,31 @@ def test_framing_round_trips_and_refuses_malformed_buckets():
     huge[8:16] = (2**64 - 1).to_bytes(8, "little")  # a length that would wrap around
     with pytest.raises(WireError):
         unframe(bytes(huge), count=3)
+
+
+def test_the_hooks_thread_runs_work_in_order_and_stops_at_the_first_failure():
+    """``InOrder`` (the hook's thread): futures come back at once, complete in submission order on
+    the named thread, and once a piece fails, the pieces after it fail too without running."""
+    pieces, gate, ran = InOrder(name="psgrad-test-inorder"), threading.Event(), []
+
+    def piece(value: float, *, fail: bool = False):
+        def work():
+            gate.wait(timeout=30)
+            ran.append((value, threading.current_thread().name))
+            if fail:
+                raise ValueError(f"piece {value} failed")
+            return torch.tensor(value)
+
+        return work
+
+    futures = [pieces.submit(piece(float(i))) for i in range(3)]
+    assert not any(f.done() for f in futures)  # nothing runs on the caller's thread
+    gate.set()
+    assert [float(f.wait()) for f in futures] == [0.0, 1.0, 2.0]
+    assert ran == [(float(i), "psgrad-test-inorder") for i in range(3)]
+    failing, after = pieces.submit(piece(3.0, fail=True)), pieces.submit(piece(4.0))
+    with pytest.raises(RuntimeError, match="ValueError: piece 3.0 failed"):
+        failing.wait()
+    with pytest.raises(RuntimeError, match="not run: an earlier piece failed with ValueError"):
+        after.wait()
+    assert [value for value, _ in ran] == [0.0, 1.0, 2.0, 3.0]

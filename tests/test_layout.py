@@ -76,6 +76,7 @@ FLOORS = [
             "psgrad.runtime.chain",
             "psgrad.runtime.exits",
             "psgrad.devices",
+            "psgrad.inorder",
         ],
     ),
     (1, ["psgrad.feedback", "psgrad.comm.wire", "psgrad.comm.envelope", "psgrad.roles"]),

@@ -7,7 +7,10 @@ Scenario ``dense``: the hook with codec CODEC against DDP without a hook, same s
 against torch's own PowerSGD hook (``torch_powersgd``), both at a rank that makes the
 approximation exact. Scenario ``resume``: a checkpoint round trip mid-run (model, SGD and the
 hook's ``state_dict``) ends where the uninterrupted run does. Scenario ``nonfinite``: the last
-rank's gradient turns NaN at step 3; every rank must raise, none may wait.
+rank's gradient turns NaN at step 3; every rank must raise, none may wait. Scenario ``overlap``:
+DDP in several buckets, the last rank 1.5 s late into one backward; the first rank's hook must hand
+DDP that step's first bucket before the late rank has sent anything, and the run must still end
+where DDP without a hook does.
 Each rank writes OUT/rank<r>.json.
 """
 
@@ -15,6 +18,7 @@ import copy
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 import psgrad
 
 STEPS, CUT, BATCH = 10, 4, 8
+LATE, LATE_AT = 1.5, 2  # seconds the last rank starts one backward late, and at which step
 
 
 def make_model() -> nn.Module:
@@ -40,21 +45,25 @@ def batch(rank: int, step: int):
     return torch.randn(BATCH, 3, 8, 8, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int = -1) -> None:
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int = -1, late_at: int = -1) -> None:
+    last = dist.get_rank() == dist.get_world_size() - 1
     for step in steps:
         opt.zero_grad()
         images, labels = batch(dist.get_rank(), step)
-        if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
+        if step == poison_at and last:
             images = images * float("nan")
-        F.cross_entropy(model(images), labels).backward()
+        loss = F.cross_entropy(model(images), labels)
+        if step == late_at and last:
+            time.sleep(LATE)
+        loss.backward()
         opt.step()
 
 
-def trained(hook=None, state=None, steps=range(STEPS)) -> nn.Module:
-    ddp = nn.parallel.DistributedDataParallel(make_model())
+def trained(hook=None, state=None, steps=range(STEPS), late_at: int = -1, **ddp_options) -> nn.Module:
+    ddp = nn.parallel.DistributedDataParallel(make_model(), **ddp_options)
     if hook is not None:
         ddp.register_comm_hook(ddp if state is None else state, hook)
-    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), steps)
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), steps, late_at=late_at)
     module = ddp.module
     del ddp  # the reducer goes before the process group (see leave)
     gc.collect()
@@ -105,14 +114,33 @@ def scenario_nonfinite(codec: str, feedback: str) -> dict:
     return {"raised": ""}
 
 
+def scenario_overlap(codec: str, feedback: str) -> dict:
+    hook, handed = psgrad.ddp_hook(codec, feedback=feedback), []
+
+    def watched(state, bucket):
+        step = hook.step  # the steps done before this call's
+        future = hook(state, bucket)
+        handed.append({"step": step, "pending": not future.done()})
+        return future
+
+    several = {"bucket_cap_mb": 0.01}  # 10 kB: a bucket or two a layer
+    plain, ours = trained(**several), trained(watched, late_at=LATE_AT, **several)
+    late = [call["pending"] for call in handed if call["step"] == LATE_AT]
+    return {"plain": largest_difference(ours, plain), "buckets": len(late), "pending": sum(late)}
+
+
 def main() -> None:
     out, rank, world, scenario = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     codec = sys.argv[5] if len(sys.argv) > 5 else "none"
     feedback = sys.argv[6] if len(sys.argv) > 6 else "none"
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world)
-    result = {"dense": scenario_dense, "resume": scenario_resume, "nonfinite": scenario_nonfinite}[scenario](
-        codec, feedback
-    )
+    scenarios = {
+        "dense": scenario_dense,
+        "resume": scenario_resume,
+        "nonfinite": scenario_nonfinite,
+        "overlap": scenario_overlap,
+    }
+    result = scenarios[scenario](codec, feedback)
     result["mpi_started"] = "mpi4py.MPI" in sys.modules  # the hook needs no MPI
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave()
