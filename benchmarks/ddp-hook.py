@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import socket
 import statistics
@@ -129,14 +128,15 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (not ddp-powersgd's)")
     parser.add_argument("--rows", default="ddp,ddp-powersgd,hook", help="rows to run; the first is the baseline")
     args = parser.parse_args()
+    sys.path.insert(0, str(HERE))  # this checkout's psgrad, for the shaped network and the CPU's name
+    from psgrad.bench.codecbench import cpu_name
+    from psgrad.bench.netshape import ShapedNetwork
+
     rows = args.rows.split(",") + (["against"] if args.against else [])
-    print(f"CPU: {_cpu()}; 2 ranks, WRN-16-4, batch 16, codec {args.codec}, link {args.bandwidth or 'loopback'}")
+    print(f"CPU: {cpu_name()}; 2 ranks, WRN-16-4, batch 16, codec {args.codec}, link {args.bandwidth or 'loopback'}")
     rates: dict[str, list[float]] = {row: [] for row in rows}
     network = None
     if args.bandwidth:
-        sys.path.insert(0, str(HERE))
-        from psgrad.bench.netshape import ShapedNetwork
-
         network = ShapedNetwork(2, args.bandwidth).__enter__()
     try:
         for round_ in range(args.rounds):
@@ -150,16 +150,6 @@ def main() -> None:
     for row in rows:
         ratio = statistics.median(r / d for r, d in zip(rates[row], rates[rows[0]], strict=True))
         print(f"| {row} | {statistics.median(rates[row]):.3f} | {ratio:.3f} |")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -124,8 +123,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/saved-stop"), help="where the checkpoints go")
     parser.add_argument("--ddp", action="store_true", help="torch DDP with psgrad's hook under torchrun")
     args = parser.parse_args()
+    from psgrad.bench.codecbench import cpu_name
+
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"CPU: {_cpu()}; {' '.join(_command(args.out, ask=True, steps=args.steps, ddp=args.ddp))}", flush=True)
+    print(f"CPU: {cpu_name()}; {' '.join(_command(args.out, ask=True, steps=args.steps, ddp=args.ddp))}", flush=True)
     ratios = []
     for round_ in range(args.rounds):
         without = _rate(args.out, ask=False, steps=args.steps, ddp=args.ddp)
@@ -137,16 +138,6 @@ def main() -> None:
     print(f"| it/s with should_stop() / without (median of {args.rounds}) | {sorted(ratios)[len(ratios) // 2]:.3f} |")
     print(f"| seconds from SIGTERM to the job's end, checkpoints written | {seconds:.1f} |")
     print(f"| steps taken after the signal | {after} |")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
