@@ -9,8 +9,8 @@ approximation exact. Scenario ``resume``: a checkpoint round trip mid-run (model
 hook's ``state_dict``) ends where the uninterrupted run does. Scenario ``nonfinite``: the last
 rank's gradient turns NaN at step 3; every rank must raise, none may wait. Scenario ``overlap``:
 DDP in several buckets, the last rank 1.5 s late into one backward; the first rank's hook must hand
-DDP that step's first bucket before the late rank has sent anything, and the run must still end
-where DDP without a hook does.
+DDP every bucket of that step back pending (the late rank has sent nothing yet), and the run must
+still end where DDP without a hook does.
 Each rank writes OUT/rank<r>.json.
 """
 
