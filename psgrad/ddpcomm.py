@@ -269,7 +269,8 @@ def exchange_group(group: Any) -> Any:
     if group is None or group is dist.GroupMember.WORLD:
         return dist.new_group(backend="gloo")  # every rank calls the hook: each makes this group
     ranks = dist.get_process_group_ranks(group)
-    # only DDP's ranks call the hook, so only they may take part in making the group
+    # Only DDP's ranks call the hook. Made the usual way, the group would move the count that names
+    # groups on them alone, and the next group the whole job makes would meet under two names.
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, sort_ranks=False)
 
 

@@ -27,20 +27,20 @@ SCRIPT = Path(__file__).parent / "gloo_scripts" / "ddphook.py"
 WORLD = 2
 
 
-def _gloo(tmp_path: Path, scenario: str, *codec: str) -> list[dict]:
+def _gloo(tmp_path: Path, scenario: str, *codec: str, world: int = WORLD) -> list[dict]:
     """Every rank of the gloo script, as separate processes; a rank still running after two
     minutes fails the test (and every rank is killed)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     tmp_path.mkdir(parents=True, exist_ok=True)  # the ranks meet through a file store in it
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp_path), str(rank), str(WORLD), scenario, *codec],
+            [sys.executable, str(SCRIPT), str(tmp_path), str(rank), str(world), scenario, *codec],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     try:
         logs = [proc.communicate(timeout=120)[0] for proc in ranks]
@@ -49,7 +49,7 @@ def _gloo(tmp_path: Path, scenario: str, *codec: str) -> list[dict]:
             proc.kill()
     for proc, log in zip(ranks, logs, strict=True):
         assert proc.returncode == 0, log[-3000:]
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
     return [{**result, "log": log} for result, log in zip(results, logs, strict=True)]
 
 
@@ -92,6 +92,15 @@ def test_the_exchange_overlaps_backward_and_keeps_the_buckets_in_order(tmp_path,
     first, last = _gloo(tmp_path, "overlap", codec)
     assert first["buckets"] >= 2 and first["pending"] == first["buckets"], first
     assert first["plain"] < 1e-6 and last["plain"] < 1e-6, (first, last)
+
+
+def test_a_hook_on_a_subgroup_needs_nothing_from_the_ranks_outside_it(tmp_path):
+    """DDP over ranks 0 and 1 of three, the third busy elsewhere: the hook's own group is made by
+    the two alone, their run ends where DDP without a hook does, and a group all three make
+    afterwards still meets (a hang here fails the test at its timeout)."""
+    first, second, third = _gloo(tmp_path, "subgroup", "none", world=3)
+    assert first["plain"] == 0.0 and second["plain"] == 0.0, (first, second)
+    assert third["outside"] and all(result["after"] == 3.0 for result in (first, second, third))
 
 
 def test_a_nonfinite_gradient_stops_every_rank(tmp_path):

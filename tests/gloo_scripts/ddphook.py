@@ -10,7 +10,8 @@ hook's ``state_dict``) ends where the uninterrupted run does. Scenario ``nonfini
 rank's gradient turns NaN at step 3; every rank must raise, none may wait. Scenario ``overlap``:
 DDP in several buckets, the last rank 1.5 s late into one backward; the first rank's hook must hand
 DDP every bucket of that step back pending (the late rank has sent nothing yet), and the run must
-still end where DDP without a hook does.
+still end where DDP without a hook does. Scenario ``subgroup`` (three ranks): DDP over ranks 0
+and 1 only, with and without the hook; rank 2 waits at the final barrier.
 Each rank writes OUT/rank<r>.json.
 """
 
@@ -129,6 +130,20 @@ def scenario_overlap(codec: str, feedback: str) -> dict:
     return {"plain": largest_difference(ours, plain), "buckets": len(late), "pending": sum(late)}
 
 
+def scenario_subgroup(codec: str, feedback: str) -> dict:
+    group = dist.new_group([0, 1])  # every rank makes it; only 0 and 1 train in it
+    result = {"outside": True}
+    if dist.get_rank() in (0, 1):
+        plain = trained(process_group=group)
+        ours = trained(psgrad.ddp_hook(codec, feedback=feedback, group=group), process_group=group)
+        result = {"plain": largest_difference(ours, plain)}
+    # a group every rank makes afterwards must still meet: the hook's group left the count of
+    # groups, which names them, the same on the ranks outside DDP's
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=dist.new_group([0, 1, 2]))
+    return {**result, "after": float(ones)}
+
+
 def main() -> None:
     out, rank, world, scenario = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     codec = sys.argv[5] if len(sys.argv) > 5 else "none"
@@ -139,6 +154,7 @@ def main() -> None:
         "resume": scenario_resume,
         "nonfinite": scenario_nonfinite,
         "overlap": scenario_overlap,
+        "subgroup": scenario_subgroup,
     }
     result = scenarios[scenario](codec, feedback)
     result["mpi_started"] = "mpi4py.MPI" in sys.modules  # the hook needs no MPI
