@@ -15,7 +15,7 @@ each, one torch thread each), the same model and batches in every row:
    and each row's ratio to the first row (``--rows``) in the same round.
 4. ``--bandwidth``: each rank in a network namespace of its own, its link shaped by
    ``tc ... tbf`` (``psgrad.bench.netshape``; needs root).
-Prints the CPU, the commands and a table.
+Prints the CPU, the setting, each round's it/s and a table.
 """
 
 from __future__ import annotations
