@@ -83,7 +83,7 @@ class DDPHook:
         self.feedback = feedback_for(cfg)
         self.step = 0
         self.layers: dict[int, Layer] | None = None  # id(parameter) -> its layer, from the first call
-        self.world = self.rank = 0  # this rank among DDP's, from the first call
+        self.world = self.rank = 0  # DDP's ranks and this one among them, from the first call
         self.exchange_group: Any = None  # the hook thread's own process group, from the first call
         self.exchanges = InOrder(name="psgrad-ddp-exchange")
         self.__name__ = self.__qualname__ = "psgrad_ddp_hook"  # DDP logs a hook by its name
@@ -127,8 +127,7 @@ class DDPHook:
     def _exchange(self, buffer: torch.Tensor, *, layers: list[Layer], step: int, index: int) -> torch.Tensor:
         """Steps 1-4 of the module for one bucket, on the hook's thread: ``buffer`` averaged."""
         parts = buffer.split([math.prod(layer.shape) for layer in layers])
-        world, rank = self.world, self.rank
-        bad = self._nonfinite_ranks(parts, world=world, rank=rank)
+        bad = self._nonfinite_ranks(parts)
         if bad and self.cfg.on_nonfinite == "abort":
             raise NonFiniteError(
                 f"step {step}: the gradient of rank {', '.join(map(str, bad))} holds NaN or Inf in DDP's bucket "
@@ -137,15 +136,17 @@ class DDPHook:
         if bad:
             return buffer.fill_(float("nan"))  # GradScaler sees it and skips the step; the memories stay
         msgs = [
-            encode_gradient(self.feedback, layer, part, step=step, sender=rank, stream=rank, run_seed=self.cfg.seed)
+            encode_gradient(
+                self.feedback, layer, part, step=step, sender=self.rank, stream=self.rank, run_seed=self.cfg.seed
+            )
             for layer, part in zip(layers, parts, strict=True)
         ]
         means = [torch.zeros(part.numel()) for part in parts]
         summed = {i for i, msg in enumerate(msgs) if wire.codec_of(msg).sums_in_code_space}
         gathered = [i for i in range(len(msgs)) if i not in summed]
-        self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means, world=world)
+        self._sum_in_code_space({i: msgs[i] for i in summed}, layers=layers, means=means)
         if gathered:
-            self._gather_and_decode(gathered, msgs=msgs, layers=layers, means=means, step=step, world=world)
+            self._gather_and_decode(gathered, msgs=msgs, layers=layers, means=means, step=step)
         for part, mean in zip(parts, means, strict=True):
             part.copy_(mean)
         return buffer
@@ -179,17 +180,17 @@ class DDPHook:
                 by_name[name] = dataclasses.replace(layer, name=name, shape=shapes[name], params=(name,))
         return {id(p): by_name[name] for name, p in named}
 
-    def _nonfinite_ranks(self, parts: Iterable[torch.Tensor], *, world: int, rank: int) -> list[int]:
+    def _nonfinite_ranks(self, parts: Iterable[torch.Tensor]) -> list[int]:
         """The ranks whose bucket holds NaN or Inf (one small all-reduce): every rank learns it at
         once, so all of them stop or skip together instead of some waiting for ever."""
-        flags = torch.zeros(world)
-        flags[rank] = float(not all(bool(torch.isfinite(p.sum())) for p in parts))
+        flags = torch.zeros(self.world)
+        flags[self.rank] = float(not all(bool(torch.isfinite(p.sum())) for p in parts))
         dist.all_reduce(flags, group=self.exchange_group)
-        return [r for r in range(world) if flags[r] > 0]
+        return [r for r in range(self.world) if flags[r] > 0]
 
     # ------------------------------------------------------------------ sums in code space
     def _sum_in_code_space(
-        self, pending: dict[int, Message], *, layers: list[Layer], means: list[torch.Tensor], world: int
+        self, pending: dict[int, Message], *, layers: list[Layer], means: list[torch.Tensor]
     ) -> None:
         """Step 2 of the module: all-reduce the arrays; a round that is not the last answers the
         reduced reply with the next round's message, which is summed in the next pass."""
@@ -200,9 +201,9 @@ class DDPHook:
                 codec, layer, round_ = wire.codec_of(msg), layers[i], int(msg.meta.get("round", 0))
                 if round_ == 0:
                     total = dataclasses.replace(msg, arrays=totals[i])
-                    codec.decode_add(total, means[i], alpha=1.0 / world)
+                    codec.decode_add(total, means[i], alpha=1.0 / self.world)
                     continue
-                reply = codec.reduce(round_, totals[i], world)
+                reply = codec.reduce(round_, totals[i], self.world)
                 if round_ < codec.rounds(layer.shape):
                     following[i] = self.feedback.advance(layer.name, layer.shape, round_, reply)
                 else:
@@ -228,16 +229,14 @@ class DDPHook:
         layers: list[Layer],
         means: list[torch.Tensor],
         step: int,
-        world: int,
     ) -> None:
         """Step 3 of the module."""
-        mine = self.rank
-        blobs = self._all_gather_bytes(frame([wire.dumps(msgs[i]) for i in gathered]), world=world)
+        blobs = self._all_gather_bytes(frame([wire.dumps(msgs[i]) for i in gathered]))
         for sender, blob in enumerate(blobs):
             pieces = unframe(blob, count=len(gathered))
             for i, piece in zip(gathered, pieces, strict=True):
                 layer = layers[i]
-                if sender == mine:
+                if sender == self.rank:
                     msg = msgs[i]  # the wire is lossless: parsing our own bytes would give it back
                 else:
                     msg = parse(
@@ -248,16 +247,16 @@ class DDPHook:
                         shape=layer.shape,
                     )
                     Envelope("grad", layer.name, step, sender).check(msg, shape=layer.shape)
-                wire.codec_of(msg).decode_add(msg, means[i], alpha=1.0 / world)
+                wire.codec_of(msg).decode_add(msg, means[i], alpha=1.0 / self.world)
 
-    def _all_gather_bytes(self, blob: bytes, *, world: int) -> list[bytes]:
+    def _all_gather_bytes(self, blob: bytes) -> list[bytes]:
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        sizes = [torch.zeros_like(size) for _ in range(world)]
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
         dist.all_gather(sizes, size, group=self.exchange_group)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
         dist.all_gather(theirs, mine, group=self.exchange_group)
         return [t[: int(s)].numpy().tobytes() for t, s in zip(theirs, sizes, strict=True)]
 
