@@ -86,6 +86,8 @@ class DDPHook:
         self.world = self.rank = 0  # DDP's ranks and this one among them, from the first call
         self.exchange_group: Any = None  # the hook thread's own process group, from the first call
         self.exchanges = InOrder(name="psgrad-ddp-exchange")
+        self.buckets: list[Bucket] | None = []  # the buckets of a backward, until DDP's are judged
+        self.backwards_watched = 0
         self.__name__ = self.__qualname__ = "psgrad_ddp_hook"  # DDP logs a hook by its name
 
     # ------------------------------------------------------------------ checkpoints
@@ -119,9 +121,27 @@ class DDPHook:
                 say(f"[psgrad] {note}")
         buffer, layers = bucket.buffer(), self._layers_of(bucket.parameters())
         step, index = self.step, bucket.index()  # the steps done before this one, as a worker numbers them
+        if self.buckets is not None:
+            self._watch_buckets(bucket)
         if bucket.is_last():
             self.step = step + 1
         return self.exchanges.submit(lambda: self._exchange(buffer, layers=layers, step=step, index=index))
+
+    def _watch_buckets(self, bucket: dist.GradBucket) -> None:
+        """Rank 0 says if DDP's buckets leave little to overlap (``overlap_note``), once, from the
+        second backward the hook sees: DDP sets its lasting buckets by the order the first backward
+        filled them (in that first one, torch 2.13's DDP hands the whole gradient over at once)."""
+        assert self.buckets is not None
+        self.buckets.append(Bucket.of(bucket))
+        if not bucket.is_last():
+            return
+        self.backwards_watched += 1
+        if self.backwards_watched == 2:
+            if self.rank == 0 and (note := overlap_note(self.buckets)):
+                say(f"[psgrad] {note}")
+            self.buckets = None
+        else:
+            self.buckets = []
 
     @torch.no_grad()  # the thread's own grad mode is on; nothing here is for autograd
     def _exchange(self, buffer: torch.Tensor, *, layers: list[Layer], step: int, index: int) -> torch.Tensor:
@@ -259,6 +279,40 @@ class DDPHook:
         theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
         dist.all_gather(theirs, mine, group=self.exchange_group)
         return [t[: int(s)].numpy().tobytes() for t, s in zip(theirs, sizes, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """What the overlap note needs of one of DDP's buckets: its size and its largest parameter's, in bytes."""
+
+    size: int
+    largest: int
+
+    @classmethod
+    def of(cls, bucket: dist.GradBucket) -> Bucket:
+        itemsize = bucket.buffer().element_size()
+        return cls(
+            size=bucket.buffer().numel() * itemsize,
+            largest=max((p.numel() for p in bucket.parameters()), default=0) * itemsize,
+        )
+
+
+SMALLEST_WORTH_A_NOTE = 2**20  # bytes: a last bucket under 1 MiB is too quick to send to matter
+
+
+def overlap_note(buckets: list[Bucket]) -> str | None:
+    """A sentence when DDP's last bucket, which only the end of backward fills, holds more than half
+    of the gradient and could be split: its exchange overlaps nothing, so smaller buckets let most of
+    the exchange go on during backward. None when the buckets already overlap, when the last one is
+    small, or when one parameter alone fills it (smaller buckets would not split that)."""
+    total, last = sum(bucket.size for bucket in buckets), buckets[-1]
+    if last.size < SMALLEST_WORTH_A_NOTE or 2 * last.size <= total or 2 * last.largest > total:
+        return None
+    return (
+        f"note: DDP's last bucket holds {last.size / total:.0%} of the gradient ({last.size / 2**20:.1f} MiB), "
+        "and backward fills it only at its end, so the hook's exchange of it overlaps nothing: "
+        "DistributedDataParallel(model, bucket_cap_mb=1) splits it (docs/api.md)"
+    )
 
 
 def exchange_group(group: Any) -> Any:

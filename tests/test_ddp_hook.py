@@ -20,7 +20,7 @@ from conftest import run_script
 
 import psgrad
 from psgrad.comm.wire import WireError
-from psgrad.ddpcomm import frame, unframe
+from psgrad.ddpcomm import Bucket, frame, overlap_note, unframe
 from psgrad.inorder import InOrder
 
 SCRIPT = Path(__file__).parent / "gloo_scripts" / "ddphook.py"
@@ -101,6 +101,25 @@ def test_a_hook_on_a_subgroup_needs_nothing_from_the_ranks_outside_it(tmp_path):
     first, second, third = _gloo(tmp_path, "subgroup", "none", world=3)
     assert first["plain"] == 0.0 and second["plain"] == 0.0, (first, second)
     assert third["outside"] and all(result["after"] == 3.0 for result in (first, second, third))
+
+
+def test_the_first_rank_says_when_ddps_last_bucket_leaves_nothing_to_overlap(tmp_path):
+    first, second = (result["log"] for result in _gloo(tmp_path, "buckets", "none"))
+    said = "[psgrad] note: DDP's last bucket holds 100% of the gradient (2.4 MiB)"
+    assert first.count(said) == 1, first  # once, for the default 25 MB buckets; not for 0.25 MB ones
+    assert first.count("bucket_cap_mb=1") == 1 and "DDP's last bucket" not in second, (first, second)
+
+
+def test_the_overlap_note_asks_for_smaller_buckets_only_where_they_would_help():
+    mib = 2**20
+    wrn_16_4 = [Bucket(size=int(10.57 * mib), largest=int(2.25 * mib))]  # DDP's default buckets
+    assert "holds 100% of the gradient (10.6 MiB)" in overlap_note(wrn_16_4)
+    split = [Bucket(size=int(s * mib), largest=mib) for s in (2.35, 2.25, 2.25, 1.13, 1.25, 1.02, 0.32)]
+    assert overlap_note(split) is None  # bucket_cap_mb=1: the last holds 3 %
+    assert overlap_note([Bucket(size=mib // 2, largest=mib // 8)]) is None  # too small to matter
+    one_parameter = [Bucket(size=mib, largest=mib // 8), Bucket(size=3 * mib, largest=5 * mib // 2)]
+    assert overlap_note(one_parameter) is None  # smaller buckets would not split its 2.5 MiB
+    assert overlap_note([Bucket(size=mib, largest=mib // 8), Bucket(size=3 * mib, largest=mib)]) is not None
 
 
 def test_a_nonfinite_gradient_stops_every_rank(tmp_path):

@@ -144,6 +144,24 @@ def scenario_subgroup(codec: str, feedback: str) -> dict:
     return {**result, "after": float(ones)}
 
 
+def scenario_buckets(codec: str, feedback: str) -> dict:
+    """Two steps in DDP's default buckets, then two in small ones, of a model of 2.4 MiB in which no
+    parameter holds half: rank 0 says, once, that the default's last bucket leaves nothing to overlap."""
+
+    def wide() -> nn.Module:
+        torch.manual_seed(0)
+        hidden = [nn.Linear(512, 512) for _ in range(2)]
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 512), *hidden, nn.Linear(512, 10))
+
+    for cap in (25, 0.25):
+        ddp = nn.parallel.DistributedDataParallel(wide(), bucket_cap_mb=cap)
+        ddp.register_comm_hook(ddp, psgrad.ddp_hook(codec, feedback=feedback))
+        train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), range(2))
+        del ddp
+        gc.collect()
+    return {}
+
+
 def main() -> None:
     out, rank, world, scenario = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     codec = sys.argv[5] if len(sys.argv) > 5 else "none"
@@ -155,6 +173,7 @@ def main() -> None:
         "nonfinite": scenario_nonfinite,
         "overlap": scenario_overlap,
         "subgroup": scenario_subgroup,
+        "buckets": scenario_buckets,
     }
     result = scenarios[scenario](codec, feedback)
     result["mpi_started"] = "mpi4py.MPI" in sys.modules  # the hook needs no MPI
