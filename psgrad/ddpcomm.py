@@ -22,6 +22,8 @@ pair up with DDP's, or the script's, in another order on another rank. Per bucke
    then one of the bytes. Each rank parses the others' messages (``wire.loads``, bounded by the
    layer) and decodes all of them in rank order, as a server would.
 4. The sums, times 1 / world size, are written over the bucket, which the returned future holds.
+A bucket on a GPU is copied to the host first and its average back (gloo and the wire work in host
+memory), so there the coding is the CPU's work.
 The step count goes up after DDP's last bucket of a backward pass. ``state_dict`` carries it and
 the feedback memories, so a checkpoint resumes compression exactly.
 """
@@ -125,7 +127,14 @@ class DDPHook:
             self._watch_buckets(bucket)
         if bucket.is_last():
             self.step = step + 1
-        return self.exchanges.submit(lambda: self._exchange(buffer, layers=layers, step=step, index=index))
+        written = written_event(buffer)
+
+        def exchange() -> torch.Tensor:
+            host = on_host(buffer, written=written)
+            mean = self._exchange(host, layers=layers, step=step, index=index)
+            return mean if mean is buffer else buffer.copy_(mean)
+
+        return self.exchanges.submit(exchange, devices=[buffer.device] if buffer.is_cuda else None)
 
     def _watch_buckets(self, bucket: dist.GradBucket) -> None:
         """Rank 0 says if DDP's buckets leave little to overlap (``overlap_note``), once, from the
@@ -313,6 +322,26 @@ def overlap_note(buckets: list[Bucket]) -> str | None:
         "and backward fills it only at its end, so the hook's exchange of it overlaps nothing: "
         "DistributedDataParallel(model, bucket_cap_mb=1) splits it (docs/api.md)"
     )
+
+
+def written_event(buffer: torch.Tensor) -> Any:
+    """A CUDA event after the work queued to write ``buffer`` (None off CUDA): recorded where DDP
+    calls the hook, on the stream backward wrote the bucket on, for the hook's thread to wait on."""
+    if not buffer.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(buffer.device))
+    return event
+
+
+def on_host(buffer: torch.Tensor, *, written: Any) -> torch.Tensor:
+    """``buffer`` in host memory, where gloo exchanges and psgrad's wire reads: the buffer itself on
+    the CPU, else a copy made once the bucket is written (``written``, from ``written_event``)."""
+    if buffer.device.type == "cpu":
+        return buffer
+    if written is not None:
+        written.synchronize()
+    return buffer.to("cpu")
 
 
 def exchange_group(group: Any) -> Any:

@@ -36,9 +36,13 @@ class InOrder:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
 
-    def submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future:
-        """``work``'s result, in a future that completes once every piece before it has run."""
-        future: torch.futures.Future = torch.futures.Future()
+    def submit(
+        self, work: Callable[[], torch.Tensor], *, devices: list[torch.device] | None = None
+    ) -> torch.futures.Future:
+        """``work``'s result, in a future that completes once every piece before it has run.
+        ``devices``: the CUDA devices the result's tensors live on; the future then makes its
+        readers' streams wait for the work the thread queued on them."""
+        future: torch.futures.Future = torch.futures.Future(devices=devices)
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()

@@ -103,6 +103,20 @@ def test_a_hook_on_a_subgroup_needs_nothing_from_the_ranks_outside_it(tmp_path):
     assert third["outside"] and all(result["after"] == 3.0 for result in (first, second, third))
 
 
+def test_a_bucket_exchanged_as_a_host_copy_gets_its_average_back(tmp_path):
+    for result in _gloo(tmp_path, "hostcopy", "none"):
+        assert result["plain"] == 0.0 and result["into_bucket"] and result["buckets"] >= 10, result
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-5), ("powersgd:rank=16,min_rate=0", 1e-4)])
+def test_a_model_on_a_gpu_trains_as_ddp_without_the_hook_does(tmp_path, codec, tolerance):
+    # the bucket goes to the host and its average back; the tolerance is for the GPU's own
+    # nondeterministic kernels, which differ between the two trainings
+    for result in _gloo(tmp_path, "cuda", codec):
+        assert result["device"].startswith("cuda") and result["plain"] < tolerance, result
+
+
 def test_the_first_rank_says_when_ddps_last_bucket_leaves_nothing_to_overlap(tmp_path):
     first, second = (result["log"] for result in _gloo(tmp_path, "buckets", "none"))
     said = "[psgrad] note: DDP's last bucket holds 100% of the gradient (2.4 MiB)"

@@ -46,11 +46,13 @@ def batch(rank: int, step: int):
     return torch.randn(BATCH, 3, 8, 8, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int = -1, late_at: int = -1) -> None:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int = -1, late_at: int = -1, device="cpu"
+) -> None:
     last = dist.get_rank() == dist.get_world_size() - 1
     for step in steps:
         opt.zero_grad()
-        images, labels = batch(dist.get_rank(), step)
+        images, labels = (t.to(device) for t in batch(dist.get_rank(), step))
         if step == poison_at and last:
             images = images * float("nan")
         loss = F.cross_entropy(model(images), labels)
@@ -60,11 +62,11 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps, *, poison_at: int
         opt.step()
 
 
-def trained(hook=None, state=None, steps=range(STEPS), late_at: int = -1, **ddp_options) -> nn.Module:
-    ddp = nn.parallel.DistributedDataParallel(make_model(), **ddp_options)
+def trained(hook=None, state=None, steps=range(STEPS), late_at: int = -1, device="cpu", **ddp_options) -> nn.Module:
+    ddp = nn.parallel.DistributedDataParallel(make_model().to(device), **ddp_options)
     if hook is not None:
         ddp.register_comm_hook(ddp if state is None else state, hook)
-    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), steps, late_at=late_at)
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), steps, late_at=late_at, device=device)
     module = ddp.module
     del ddp  # the reducer goes before the process group (see leave)
     gc.collect()
@@ -144,6 +146,32 @@ def scenario_subgroup(codec: str, feedback: str) -> dict:
     return {**result, "after": float(ones)}
 
 
+def scenario_cuda(codec: str, feedback: str) -> dict:
+    """The model on a GPU (the ranks share the GPUs there are): DDP without the hook, then with it."""
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    plain = trained(device=device)
+    ours = trained(psgrad.ddp_hook(codec, feedback=feedback), device=device)
+    return {"plain": largest_difference(ours, plain), "device": str(next(ours.parameters()).device)}
+
+
+def scenario_hostcopy(codec: str, feedback: str) -> dict:
+    """The GPU path's copies on the CPU: the hook exchanges a copy of each bucket (as it does a GPU
+    bucket's host copy) and must write the average back into DDP's bucket, on its device."""
+    from psgrad import ddpcomm
+
+    ddpcomm.on_host = lambda buffer, *, written: buffer.clone()
+    hook, handed = psgrad.ddp_hook(codec, feedback=feedback), []
+
+    def watched(state, bucket):
+        future = hook(state, bucket)
+        handed.append((bucket.buffer(), future))
+        return future
+
+    plain, ours = trained(), trained(watched)
+    into_bucket = all(future.wait().data_ptr() == buffer.data_ptr() for buffer, future in handed)
+    return {"plain": largest_difference(ours, plain), "into_bucket": into_bucket, "buckets": len(handed)}
+
+
 def scenario_buckets(codec: str, feedback: str) -> dict:
     """Two steps in DDP's default buckets, then two in small ones, of a model of 2.4 MiB in which no
     parameter holds half: rank 0 says, once, that the default's last bucket leaves nothing to overlap."""
@@ -174,6 +202,8 @@ def main() -> None:
         "overlap": scenario_overlap,
         "subgroup": scenario_subgroup,
         "buckets": scenario_buckets,
+        "cuda": scenario_cuda,
+        "hostcopy": scenario_hostcopy,
     }
     result = scenarios[scenario](codec, feedback)
     result["mpi_started"] = "mpi4py.MPI" in sys.modules  # the hook needs no MPI
