@@ -139,7 +139,7 @@ class DDPHook:
     def _watch_buckets(self, bucket: dist.GradBucket) -> None:
         """Rank 0 says if DDP's buckets leave little to overlap (``overlap_note``), once, from the
         second backward the hook sees: DDP sets its lasting buckets by the order the first backward
-        filled them (in that first one, torch 2.13's DDP hands the whole gradient over at once)."""
+        filled them (unless it looks for unused parameters, it takes that first one in one bucket)."""
         assert self.buckets is not None
         self.buckets.append(Bucket.of(bucket))
         if not bucket.is_last():
