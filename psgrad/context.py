@@ -217,13 +217,32 @@ def _announce(ctx: RunContext, *, named_model: bool) -> None:
             print(f"[psgrad] {note}", file=sys.stderr)
     if ctx.transport.separate_processes and (note := one_worker_note(cfg, layout, ranks=ctx.transport.size)):
         print(f"[psgrad] {note}", file=sys.stderr)
+    if note := threads_note(cfg.threads, ranks_here=ranks_on_node() if ctx.transport.separate_processes else 1):
+        print(f"[psgrad] {note}", file=sys.stderr)
+
+
+def threads_note(threads: int, *, ranks_here: int) -> str | None:
+    """A sentence when ``threads`` torch threads a rank, times the ``ranks_here`` on rank 0's node,
+    are more than the cores rank 0 may use: torch would run them all, each more slowly, and nothing
+    else says so. One thread a rank on more ranks than cores is the launch's choice, not noted."""
     cores = len(os.sched_getaffinity(0))
-    if cfg.threads > cores:  # torch would run them all, each more slowly, and nothing else says so
-        print(
-            f"[psgrad] note: --threads {cfg.threads} is more than the {cores} cores rank 0 may use: its threads "
-            "share them, each more slowly (and every rank of a node shares that node's cores)",
-            file=sys.stderr,
+    if threads > cores:
+        return f"note: --threads {threads} is more than the {cores} cores rank 0 may use: its threads share them, each more slowly"
+    if threads > 1 and threads * ranks_here > cores:
+        return (
+            f"note: --threads {threads} on each of the {ranks_here} ranks of rank 0's node is {threads * ranks_here} "
+            f"threads for the {cores} cores rank 0 may use: they share them, each more slowly"
         )
+    return None
+
+
+def ranks_on_node() -> int:
+    """The ranks the launcher started on this node, as it tells each of them (MPICH's hydra:
+    MPI_LOCALNRANKS; Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE); 1 when it does not say."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 def one_worker_note(

@@ -1,6 +1,7 @@
 """Models, data, schedules, plot, resume, and a short WRN run under MPI."""
 
 import json
+import os
 import pickle
 import re
 import sys
@@ -988,10 +989,15 @@ def test_two_ranks_under_the_ps_topology_say_they_train_on_one_worker():
     assert ps.returncode == 0, ps.stderr[-3000:]
     assert "1 server(s) and 1 worker: no data parallelism" in ps.stderr and "--topology colocated" in ps.stderr
     colocated = run_mpi(
-        [sys.executable, "-m", "psgrad", "train", *options, "--topology", "colocated"], n=2, timeout=120
+        [sys.executable, "-m", "psgrad", "train", *options, "--topology", "colocated", "--threads", "2"],
+        n=2,
+        timeout=120,
     )
     assert colocated.returncode == 0, colocated.stderr[-3000:]
     assert "no data parallelism" not in colocated.stderr
+    # the launcher says how many ranks share rank 0's node: 2 ranks x 2 threads
+    shared = "note: --threads 2 on each of the 2 ranks of rank 0's node is 4 threads for the"
+    assert (shared in colocated.stderr) == (len(os.sched_getaffinity(0)) < 4), colocated.stderr[-3000:]
 
 
 def test_more_threads_than_cores_is_said_at_start_up(monkeypatch):
@@ -1002,6 +1008,7 @@ def test_more_threads_than_cores_is_said_at_start_up(monkeypatch):
     from click.testing import CliRunner
 
     from psgrad.cli import main
+    from psgrad.context import ranks_on_node, threads_note
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     options = ["simulate", "--workers", "2", "--model", "mlp", "--steps", "1", "--no-progress"]
@@ -1012,6 +1019,14 @@ def test_more_threads_than_cores_is_said_at_start_up(monkeypatch):
         said[threads] = [line for line in done.stderr.splitlines() if "--threads" in line]
     assert said[2] == [] and len(said[3]) == 1, said
     assert said[3][0].startswith("[psgrad] note: --threads 3 is more than the 2 cores rank 0 may use"), said
+    # every rank on rank 0's node counts; one thread a rank is the launch's own choice
+    assert "4 threads for the 2 cores" in threads_note(2, ranks_here=2)
+    assert threads_note(1, ranks_here=3) is None and threads_note(2, ranks_here=1) is None
+    monkeypatch.setenv("MPI_LOCALNRANKS", "3")
+    assert ranks_on_node() == 3
+    monkeypatch.delenv("MPI_LOCALNRANKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "5")
+    assert ranks_on_node() == 5
 
 
 def test_the_start_up_line_and_the_plot_legend_name_the_down_link(tmp_path):

@@ -90,7 +90,7 @@ class SystemSettings:
         1,
         section=SYSTEM,
         low=1,
-        help="torch threads per rank; more than the cores rank 0 may use is noted at start-up (the ranks of a node share its cores).",
+        help="torch threads per rank; more than the cores rank 0 may use, counting every rank on its node, is noted at start-up (the ranks of a node share its cores).",
     )
     memory_format: str = setting(
         "auto",
