@@ -347,7 +347,13 @@ def on_host(buffer: torch.Tensor, *, written: Any) -> torch.Tensor:
 def exchange_group(group: Any) -> Any:
     """A gloo group over DDP's ranks (same order) for the hook's thread alone. Its collectives then
     cannot interleave with those of DDP or of the script on ``group``, which the main thread
-    issues: two threads' collectives on one group would pair up in another order on each rank."""
+    issues: two threads' collectives on one group would pair up in another order on each rank.
+    A RuntimeError under the ``mpi`` backend, which has no store to make a gloo group through."""
+    if dist.get_backend(group) == "mpi":
+        raise RuntimeError(
+            "psgrad.ddp_hook exchanges over a gloo group of its own, made through torch.distributed's store, "
+            "and the mpi backend has none: init_process_group with gloo or nccl (env:// or tcp://) instead"
+        )
     if group is None or group is dist.GroupMember.WORLD:
         return dist.new_group(backend="gloo")  # every rank calls the hook: each makes this group
     ranks = dist.get_process_group_ranks(group)

@@ -176,6 +176,14 @@ def test_a_hook_without_parameter_names_says_how_to_give_them():
         hook(None, None)
 
 
+def test_under_the_mpi_backend_the_hook_says_why_it_cannot_make_its_group(monkeypatch):
+    from psgrad import ddpcomm
+
+    monkeypatch.setattr(ddpcomm.dist, "get_backend", lambda group=None: "mpi")
+    with pytest.raises(RuntimeError, match="the mpi backend has none: init_process_group with gloo or nccl"):
+        ddpcomm.exchange_group(None)
+
+
 def test_a_state_that_is_not_the_hooks_is_refused_by_name():
     with pytest.raises(ValueError, match="not a psgrad.ddp_hook state_dict"):
         psgrad.ddp_hook("qsgd", feedback="ef").load_state_dict({"residual/w": torch.zeros(3)})
