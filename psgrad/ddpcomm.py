@@ -115,10 +115,12 @@ class DDPHook:
         """DDP's call: ``bucket`` (a ``dist.GradBucket``) averaged over the ranks, in a future that
         the hook's thread completes while DDP goes on with backward."""
         if self.layers is None:
-            self.layers = self._plan(self._named_model(state))
-            # the first call: where the hook first knows its rank, and where every rank calls it
+            # the first call: where the hook first knows its rank, and where every rank calls it;
+            # the layers are kept last, so that a call after a failed first one is a first call again
+            layers_by_param = self._plan(self._named_model(state))
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
             self.exchange_group = exchange_group(self.group)
+            self.layers = layers_by_param
             if self.rank == 0 and (note := accuracy_note(self.cfg, dense="DDP without the hook")):
                 say(f"[psgrad] {note}")
         buffer, layers = bucket.buffer(), self._layers_of(bucket.parameters())

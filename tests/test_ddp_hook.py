@@ -180,8 +180,12 @@ def test_under_the_mpi_backend_the_hook_says_why_it_cannot_make_its_group(monkey
     from psgrad import ddpcomm
 
     monkeypatch.setattr(ddpcomm.dist, "get_backend", lambda group=None: "mpi")
-    with pytest.raises(RuntimeError, match="the mpi backend has none: init_process_group with gloo or nccl"):
-        ddpcomm.exchange_group(None)
+    monkeypatch.setattr(ddpcomm.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ddpcomm.dist, "get_rank", lambda group=None: 0)
+    hook = psgrad.ddp_hook("none")
+    for _ in range(2):  # a call after the failed first one fails the same way, not with a half-made hook
+        with pytest.raises(RuntimeError, match="the mpi backend has none: init_process_group with gloo or nccl"):
+            hook(torch.nn.Linear(2, 2), None)
 
 
 def test_a_state_that_is_not_the_hooks_is_refused_by_name():
